@@ -1,0 +1,44 @@
+"""Exact-match reward for the arithmetic task, in JAX on token ids (runs inside the jitted step)."""
+import chex
+import jax.numpy as jnp
+
+
+def exact_match(response_ids, response_mask, answer_ids, answer_len, *, eos_id: int):
+    """1.0 where the response is exactly the answer followed by eos, else 0.0.
+
+    Row b scores 1 iff, with L = answer_len[b]: response_ids[b, :L] == answer_ids[b, :L],
+    response_ids[b, L] == eos_id, and response_mask[b, :L+1] is all 1 (so L < R). Tokens after
+    position L are ignored (garbage after eos does not matter); a row without eos at L scores 0.
+
+    Args:
+      response_ids: [B, R] int, sampled tokens.
+      response_mask: [B, R], 1 up to and including the first eos, 0 after.
+      answer_ids: [B, R_a] int, answer tokens from position 0 (R_a may differ from R).
+      answer_len: [B] int, number of answer tokens, eos excluded.
+      eos_id: the eos token id (static).
+
+    Returns:
+      scores: [B] float32.
+    """
+    chex.assert_rank([response_ids, response_mask, answer_ids, answer_len], [2, 2, 2, 1])
+    chex.assert_equal_shape([response_ids, response_mask])
+    chex.assert_equal_shape_prefix([response_ids, answer_ids, answer_len], 1)
+    r, r_a = response_ids.shape[1], answer_ids.shape[1]
+    answer_ids = jnp.asarray(answer_ids)
+    if r_a > r:
+        answer_ids = answer_ids[:, :r]  # an answer this long cannot fit anyway: L >= R scores 0
+    elif r_a < r:
+        answer_ids = jnp.pad(answer_ids, ((0, 0), (0, r - r_a)), constant_values=-1)
+    t = jnp.arange(r)[None, :]  # [1, R]
+    n = jnp.asarray(answer_len)[:, None]  # [B, 1]
+    expected = jnp.where(t < n, answer_ids, eos_id)  # [B, R]
+    ok = (response_ids == expected) & (jnp.asarray(response_mask) > 0)
+    match = jnp.all(ok | (t > n), axis=1) & (n[:, 0] < r)
+    return match.astype(jnp.float32)
+
+
+def arithmetic_exact_match(batch, response_ids, response_mask, *, eos_id: int):
+    """Registry form of `exact_match`: `batch` has `answer_ids` [B, R_a] and `answer_len` [B]."""
+    return exact_match(
+        response_ids, response_mask, batch["answer_ids"], batch["answer_len"], eos_id=eos_id
+    )
