@@ -1,0 +1,314 @@
+"""Advantage estimators, picked by name: `compute(name, ...) -> (advantages, returns)`.
+
+Numerically the same as verl 0.9.1 (`verl/trainer/ppo/core_algos.py`) at every valid position.
+
+Conventions (verl's token alignment):
+  * Arrays are batch-major: token quantities [B, T] float32, per-response ones [B].
+  * Position t of `token_level_rewards`, `values`, `advantages`, `returns` belongs to action t,
+    the response token y_{t+1} chosen in state (prompt, y_1..y_t); `values[:, t]` = V(s_{t+1}) is
+    read *before* the token is chosen.
+  * `response_mask` [B, T] is 1 on real response tokens and 0 on padding (and on observation
+    tokens in multi-turn data, which may leave holes inside a row).
+  * `index` [B] int32 is the group (prompt) id of each row, values in [0, B); group statistics use
+    segment sums with num_segments = B.
+  * The sequence score of a row is s_b = sum_t r[b, t] * mask[b, t].
+
+Masking rules (applied once, in `compute`):
+  * inputs are zeroed where mask == 0 before anything else, so garbage there never matters;
+  * both outputs are exactly 0 where mask == 0. verl leaves non-zero junk at some masked positions
+    (GAE's whitened advantages and returns on padding, remax inside holes); jrl zeros them. Valid
+    positions are unaffected;
+  * outputs carry no gradient (verl computes them under `torch.no_grad`).
+
+Register a new estimator with `@register("name", needs=("index",))`; `group_ppo` is added by its own
+module the same way.
+"""
+from typing import Callable, Optional, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jrl.algos import masked_whiten, zero_masked
+
+GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
+
+Estimator = Callable[..., tuple[jax.Array, jax.Array]]
+ESTIMATORS: dict[str, Estimator] = {}
+_NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
+
+
+def register(name: str, needs: Sequence[str] = ()):
+    """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values,
+    reward_baselines, config) -> (advantages, returns)` under `name`; `needs` names the optional
+    inputs (`index`, `values`, `reward_baselines`) it cannot run without."""
+
+    def decorator(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered.")
+        ESTIMATORS[name] = fn
+        _NEEDS[name] = tuple(needs)
+        return fn
+
+    return decorator
+
+
+def names() -> list[str]:
+    """Sorted names of the registered advantage estimators."""
+    return sorted(ESTIMATORS)
+
+
+def compute(
+    name: str,
+    *,
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: Optional[jax.Array] = None,
+    values: Optional[jax.Array] = None,
+    reward_baselines: Optional[jax.Array] = None,
+    config,
+) -> tuple[jax.Array, jax.Array]:
+    """Advantages and returns [B, T] of the estimator registered as `name` (static under jit).
+
+    `config` is the run config's `algorithm` section (an ml_collections.ConfigDict); each
+    estimator reads its own fields with defaults (see its docstring).
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}: valid names are {', '.join(names())}.")
+    given = {"index": index, "values": values, "reward_baselines": reward_baselines}
+    missing = [k for k in _NEEDS[name] if given[k] is None]
+    if missing:
+        raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}.")
+
+    mask = jnp.asarray(response_mask, jnp.float32)
+    chex.assert_rank(mask, 2)
+    chex.assert_equal_shape([mask, token_level_rewards])
+    batch = mask.shape[0]
+    if index is not None:
+        chex.assert_shape(index, (batch,))
+        index = jnp.asarray(index, jnp.int32)
+    if values is not None:
+        chex.assert_equal_shape([mask, values])
+        values = zero_masked(jnp.asarray(values, jnp.float32), mask)
+    if reward_baselines is not None:
+        chex.assert_shape(reward_baselines, (batch,))
+        reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
+    rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
+
+    advantages, returns = ESTIMATORS[name](
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        values=values,
+        reward_baselines=reward_baselines,
+        config=config,
+    )
+    advantages = jax.lax.stop_gradient(zero_masked(advantages, mask))
+    returns = jax.lax.stop_gradient(zero_masked(returns, mask))
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _reverse_scan(step, init, *xs_BT):
+    """Runs `step(carry, xs_t) -> (carry, y_t)` over t = T-1..0 (batched over B); returns y [B, T]."""
+    _, ys_TB = jax.lax.scan(step, init, tuple(x.T for x in xs_BT), reverse=True)
+    return ys_TB.T
+
+
+def _group_sum(x, index):
+    """Per-row sum of `x` [B] over the row's group (segment_sum, num_segments = B, gathered back)."""
+    return jax.ops.segment_sum(x, index, num_segments=x.shape[0])[index]
+
+
+def _group_moments(scores, index):
+    """Per-row group size n, mean, and unbiased std (torch.std) of `scores` [B] grouped by `index`.
+
+    Groups of size 1 get std 0 here; each estimator applies verl's singleton convention itself.
+    """
+    n = _group_sum(jnp.ones_like(scores), index)
+    mean = _group_sum(scores, index) / n
+    sq_dev = _group_sum(jnp.square(scores - mean), index)
+    std = jnp.sqrt(sq_dev / jnp.maximum(n - 1.0, 1.0))
+    return n, mean, std
+
+
+def _broadcast(per_row, mask):
+    """[B] -> [B, T]: the row's scalar on every valid token, 0 elsewhere."""
+    return per_row[:, None] * mask
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+@register("gae", needs=("values",))
+def gae(*, token_level_rewards, response_mask, values, config, **_):
+    """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
+
+    Reverse scan over t with carries (nextV, A_next), both 0 past the end:
+        delta_t = r_t + gamma * nextV - V_t
+        A_t     = delta_t + gamma * lam * A_next
+    and only where mask_t = 1 are the carries replaced (nextV <- V_t, A_next <- A_t); masked
+    positions pass them through unchanged, so holes are skipped.
+    returns = A + V (before whitening); advantages = masked_whiten(A) over the whole batch.
+    Config: gamma (1.0), lam (1.0).
+    """
+    gamma = config.get("gamma", 1.0)
+    lam = config.get("lam", 1.0)
+
+    def step(carry, xs):
+        next_value, next_adv = carry
+        reward, value, valid = xs
+        delta = reward + gamma * next_value - value
+        adv = delta + gamma * lam * next_adv
+        next_value = jnp.where(valid != 0, value, next_value)
+        next_adv = jnp.where(valid != 0, adv, next_adv)
+        return (next_value, next_adv), next_adv
+
+    zeros = jnp.zeros(response_mask.shape[:1], jnp.float32)
+    raw = _reverse_scan(step, (zeros, zeros), token_level_rewards, values, response_mask)
+    return masked_whiten(raw, response_mask), raw + values
+
+
+@register("grpo", needs=("index",))
+def grpo(*, token_level_rewards, response_mask, index, config, **_):
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300); Dr.GRPO (arXiv:2503.20783).
+
+    s_b = sum_t r[b, t]; per group: mean and unbiased std (a group of one: mean 0, std 1).
+        A_b = (s_b - mean) / (std + 1e-6)    if norm_adv_by_std_in_grpo (default True)
+        A_b =  s_b - mean                    otherwise (Dr.GRPO)
+    broadcast over the row's valid tokens; returns = advantages.
+    Config: norm_adv_by_std_in_grpo (True).
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    n, mean, std = _group_moments(scores, index)
+    mean = jnp.where(n > 1, mean, 0.0)
+    std = jnp.where(n > 1, std, 1.0)
+    adv = scores - mean
+    if config.get("norm_adv_by_std_in_grpo", True):
+        adv = adv / (std + GRPO_EPS)
+    adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@register("grpo_passk", needs=("index",))
+def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
+    """Pass@k advantage (Chen et al. 2025, arXiv:2503.19595).
+
+    Only the best response of each group gets a non-zero advantage:
+        A_best = r_max - r_second_max, divided by (unbiased group std + 1e-6) when
+        norm_adv_by_std_in_grpo (default True); every other row gets 0.
+    Ties for the maximum give 0 whichever row is picked (jrl picks the lowest row). verl raises
+    for a group with fewer than 2 samples; under jit that cannot be checked, so such a group gets
+    advantage 0 (validate n >= 2 in the config).
+    Config: norm_adv_by_std_in_grpo (True).
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    batch = scores.shape[0]
+    rows = jnp.arange(batch)
+    group_max = jax.ops.segment_max(scores, index, num_segments=batch)[index]
+    first_best = jax.ops.segment_min(jnp.where(scores == group_max, rows, batch), index, num_segments=batch)
+    is_best = rows == first_best[index]
+    runner_up = jax.ops.segment_max(jnp.where(is_best, -jnp.inf, scores), index, num_segments=batch)[index]
+    n, _, std = _group_moments(scores, index)
+    gap = jnp.where(n > 1, group_max - runner_up, 0.0)
+    if config.get("norm_adv_by_std_in_grpo", True):
+        gap = gap / (std + GRPO_EPS)
+    adv = _broadcast(jnp.where(is_best, gap, 0.0), response_mask)
+    return adv, adv
+
+
+@register("rloo", needs=("index",))
+def rloo(*, token_level_rewards, response_mask, index, **_):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740).
+
+    For a group of n > 1: A_b = s_b * n/(n-1) - mean * n/(n-1) = s_b - mean of the other n-1;
+    a group of one keeps A_b = s_b. Broadcast over valid tokens; returns = advantages.
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    n, mean, _ = _group_moments(scores, index)
+    scale = n / jnp.maximum(n - 1.0, 1.0)
+    adv = jnp.where(n > 1, scores * scale - mean * scale, scores)
+    adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@register("reinforce_plus_plus")
+def reinforce_plus_plus(*, token_level_rewards, response_mask, config, **_):
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262).
+
+    Discounted return-to-go with a masked carry, reverse over t:
+        G_t = r_t + gamma * c_{t+1},   c_t = G_t * mask_t   (c_T = 0)
+    so the return restarts after any masked position. advantages = masked_whiten(G) * mask;
+    returns = G. Config: gamma (1.0).
+    """
+    gamma = config.get("gamma", 1.0)
+
+    def step(carry, xs):
+        reward, valid = xs
+        ret = reward + gamma * carry
+        return jnp.where(valid != 0, ret, 0.0), ret
+
+    init = jnp.zeros(response_mask.shape[:1], jnp.float32)
+    returns = _reverse_scan(step, init, token_level_rewards, response_mask)
+    return masked_whiten(returns, response_mask) * response_mask, returns
+
+
+@register("reinforce_plus_plus_baseline", needs=("index",))
+def reinforce_plus_plus_baseline(*, token_level_rewards, response_mask, index, **_):
+    """REINFORCE++ with a group-mean baseline (Hu 2025, arXiv:2501.03262).
+
+    A = masked_whiten((s_b - group mean) on valid tokens) * mask, whitened over the whole batch
+    (a group of one: mean 0); returns = advantages.
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    n, mean, _ = _group_moments(scores, index)
+    centered = _broadcast(scores - jnp.where(n > 1, mean, 0.0), response_mask)
+    adv = masked_whiten(centered, response_mask) * response_mask
+    return adv, adv
+
+
+@register("remax", needs=("reward_baselines",))
+def remax(*, token_level_rewards, response_mask, reward_baselines, **_):
+    """ReMax (Li et al. 2023, arXiv:2310.10505).
+
+    returns_t = sum_{t' >= t} r_{t'} * mask_{t'} (undiscounted reward-to-go);
+    A_t = returns_t - b * mask_t, b = `reward_baselines` [B], the reward of the greedy response
+    to the same prompt.
+    """
+    returns = jnp.flip(jnp.cumsum(jnp.flip(token_level_rewards, -1), axis=-1), -1)
+    return returns - _broadcast(reward_baselines, response_mask), returns
+
+
+@register("opo", needs=("index",))
+def opo(*, token_level_rewards, response_mask, index, **_):
+    """On-policy RL with the optimal reward baseline, OPO (Hao et al. 2025, arXiv:2505.23585).
+
+    Length-weighted group baseline b = sum_g(len * s) / sum_g(len), len = number of valid tokens;
+    A_b = s_b - b (a group of one: b = 0). Broadcast over valid tokens; returns = advantages.
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    lengths = jnp.sum(response_mask, axis=-1)
+    n = _group_sum(jnp.ones_like(scores), index)
+    total_len = _group_sum(lengths, index)
+    baseline = _group_sum(lengths * scores, index) / jnp.where(total_len > 0, total_len, 1.0)
+    adv = _broadcast(scores - jnp.where(n > 1, baseline, 0.0), response_mask)
+    return adv, adv
+
+
+@register("gpg", needs=("index",))
+def gpg(*, token_level_rewards, response_mask, index, config, **_):
+    """Group Policy Gradient, GPG (Chu et al. 2025, arXiv:2504.02546).
+
+    alpha = B / max(1, #rows with s_b != 0) over the whole batch;
+    A_b = alpha * (s_b - group mean) / f_norm (a group of one: mean 0).
+    Broadcast over valid tokens; returns = advantages.
+    Config: f_norm (1.0; verl always uses its default 1.0).
+    """
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    alpha = scores.shape[0] / jnp.maximum(jnp.count_nonzero(scores), 1).astype(jnp.float32)
+    n, mean, _ = _group_moments(scores, index)
+    adv = alpha * (scores - jnp.where(n > 1, mean, 0.0)) / config.get("f_norm", 1.0)
+    adv = _broadcast(adv, response_mask)
+    return adv, adv

@@ -1,0 +1,134 @@
+"""KL estimators, the KL penalty inside the reward, and the fixed / adaptive KL controllers.
+
+Estimators of KL(pi || ref) per token, from log pi(a_t) and log ref(a_t) of the sampled action
+(Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html); position t is
+action t as everywhere in jrl:
+  kl  / k1:          logp - ref
+  abs:               |logp - ref|
+  mse / k2:          0.5 * (logp - ref)^2
+  low_var_kl / k3:   d = clip(ref - logp, -20, 20);  clip(exp(d) - d - 1, -10, 10)
+`kl_penalty(logp, ref, kind)` is used both for KL-in-reward (`algorithm.kl_penalty`) and for the
+KL loss (`actor.kl_loss_type`, aggregated with `losses.agg_loss`).
+
+The KL controller is a pure function pair on a float32 scalar `beta` that lives in the train state:
+`beta = kl_ctrl_init(config)`, then each step `beta = kl_ctrl_update(beta, current_kl, n_steps,
+config)` with `current_kl` from `apply_kl_penalty`'s metrics and n_steps = the batch size (rows),
+as verl does. `config` is the `algorithm` section; it reads `kl_ctrl.type` ('fixed' | 'adaptive',
+default 'fixed'), `kl_ctrl.kl_coef` (0.001), `kl_ctrl.target_kl` (0.1), `kl_ctrl.horizon` (10000).
+"""
+from typing import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jrl.algos import masked_mean, zero_masked
+
+KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {}
+
+
+def _register(*aliases: str):
+    def decorator(fn):
+        for alias in aliases:
+            KL_ESTIMATORS[alias] = fn
+        return fn
+
+    return decorator
+
+
+def kl_kinds() -> list[str]:
+    """Sorted names accepted by `kl_penalty` (aliases included)."""
+    return sorted(KL_ESTIMATORS)
+
+
+@_register("kl", "k1")
+def _k1(logprob, ref_logprob):
+    return logprob - ref_logprob
+
+
+@_register("abs")
+def _abs(logprob, ref_logprob):
+    return jnp.abs(logprob - ref_logprob)
+
+
+@_register("mse", "k2")
+def _k2(logprob, ref_logprob):
+    return 0.5 * jnp.square(logprob - ref_logprob)
+
+
+@_register("low_var_kl", "k3")
+def _k3(logprob, ref_logprob):
+    log_ratio = jnp.clip(ref_logprob - logprob, -20.0, 20.0)
+    return jnp.clip(jnp.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+
+
+def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kind: str) -> jax.Array:
+    """Per-token estimate of KL(pi || ref), same shape as the inputs; `kind` is static."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL kind {kind!r}: valid names are {', '.join(kl_kinds())}.")
+    chex.assert_equal_shape([logprob, ref_logprob])
+    return KL_ESTIMATORS[kind](jnp.asarray(logprob, jnp.float32), jnp.asarray(ref_logprob, jnp.float32))
+
+
+def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind):
+    """KL in the reward: r_t = score_t - beta * kl(old_t, ref_t) * mask_t, all [B, T].
+
+    Returns (token_level_rewards, metrics). Rewards are 0 where mask == 0 (inputs there are
+    ignored). metrics: `actor/reward_kl_penalty` = mean over rows of the row's masked-mean KL (verl's
+    current_kl, to feed `kl_ctrl_update`), `actor/reward_kl_penalty_coeff` = the beta used.
+    """
+    mask = jnp.asarray(response_mask, jnp.float32)
+    chex.assert_equal_shape([token_level_scores, old_log_prob, ref_log_prob, mask])
+    kld = zero_masked(kl_penalty(zero_masked(old_log_prob, mask), zero_masked(ref_log_prob, mask), kind), mask)
+    beta = jnp.asarray(beta, jnp.float32)
+    rewards = zero_masked(jnp.asarray(token_level_scores, jnp.float32), mask) - beta * kld
+    current_kl = jnp.mean(masked_mean(kld, mask, axis=-1))
+    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return rewards, metrics
+
+
+# ----------------------------------------------------------------------------- controllers
+
+
+def _fixed_update(beta, current_kl, n_steps, ctrl):
+    """Fixed controller: beta never changes."""
+    del current_kl, n_steps, ctrl
+    return beta
+
+
+def _adaptive_update(beta, current_kl, n_steps, ctrl):
+    """Adaptive controller (Ziegler et al. 2019, arXiv:1909.08593):
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)."""
+    error = jnp.clip(current_kl / ctrl.get("target_kl", 0.1) - 1.0, -0.2, 0.2)
+    return beta * (1.0 + error * n_steps / ctrl.get("horizon", 10000))
+
+
+KL_CONTROLLERS = {"fixed": _fixed_update, "adaptive": _adaptive_update}
+
+
+def _kl_ctrl_section(config):
+    """The validated `kl_ctrl` sub-section of the algorithm config (an empty dict when absent)."""
+    ctrl = config.get("kl_ctrl", None) or {}
+    kind = ctrl.get("type", "fixed")
+    if kind not in KL_CONTROLLERS:
+        raise ValueError(
+            f"unknown kl_ctrl.type {kind!r}: valid names are {', '.join(sorted(KL_CONTROLLERS))}."
+        )
+    if kind == "adaptive":
+        if not ctrl.get("horizon", 10000) > 0:
+            raise ValueError(f"kl_ctrl.horizon must be > 0, got {ctrl.get('horizon')}.")
+        if not ctrl.get("target_kl", 0.1) > 0:
+            raise ValueError(f"kl_ctrl.target_kl must be > 0, got {ctrl.get('target_kl')}.")
+    return ctrl
+
+
+def kl_ctrl_init(config) -> jax.Array:
+    """Initial beta = kl_ctrl.kl_coef (default 0.001) as a float32 scalar; validates kl_ctrl."""
+    return jnp.asarray(_kl_ctrl_section(config).get("kl_coef", 0.001), jnp.float32)
+
+
+def kl_ctrl_update(beta, current_kl, n_steps, config) -> jax.Array:
+    """Next beta after a step that saw `current_kl` over `n_steps` rows (jittable)."""
+    ctrl = _kl_ctrl_section(config)
+    update = KL_CONTROLLERS[ctrl.get("type", "fixed")]
+    return jnp.asarray(update(jnp.asarray(beta, jnp.float32), current_kl, n_steps, ctrl), jnp.float32)

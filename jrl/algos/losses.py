@@ -1,0 +1,422 @@
+"""Policy losses (a registry picked by `actor.policy_loss`), loss aggregation, value loss, entropy.
+
+Numerically the same as verl 0.9.1 (`verl/trainer/ppo/core_algos.py`). Arrays are batch-major
+[B, T]; position t is action t (the response token y_{t+1}): `log_prob[:, t]` = log pi(y_{t+1} |
+prompt, y_1..y_t), `advantages[:, t]` belongs to that action. Write
+
+    log_ratio = log_prob - old_log_prob,  ratio = exp(log_ratio),  A = advantages,  m = response_mask.
+
+`policy_loss` zeroes every input where m == 0 before the loss sees it, so garbage on padding never
+reaches the loss, the metrics, or the gradient (d loss / d log_prob is exactly 0 there).
+
+Every policy loss returns the same metric keys (verl's names), 0 where a loss has no such quantity:
+  actor/pg_clipfrac        fraction of valid tokens whose loss was clipped (loss-specific, below)
+  actor/ppo_kl             masked_mean(old_log_prob - log_prob)  (kl_cov: masked_mean(|log_ratio|))
+  actor/pg_clipfrac_lower  fraction of valid tokens hit by the dual clip (vanilla) / clipped with
+                           A < 0 (geo_mean)
+
+The actor config (`config`) fields read, with defaults: clip_ratio (0.2), clip_ratio_low /
+clip_ratio_high (None -> clip_ratio), clip_ratio_c (3.0), loss_scale_factor (None -> T), tau_pos
+(1.0), tau_neg (1.05), clip_cov_ratio (0.0002), clip_cov_lb (1.0), clip_cov_ub (5.0), kl_cov_ratio
+(0.0002), ppo_kl_coef (0.1). verl nests the last five under `actor.policy_loss`; in jrl
+`actor.policy_loss` is the loss name, so they sit directly in the actor section.
+"""
+import functools
+from typing import Callable, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jrl.algos import masked_mean, masked_sum, zero_masked
+
+METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+LOG_RATIO_CLAMP = 20.0  # |log_ratio| bound before exp in vanilla / sapo / cispo
+GSPO_LOG_RATIO_MAX = 10.0  # upper bound on GSPO's token log-ratio
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _mean_over_rows_with_tokens(row_losses, loss_mask):
+    """Mean of row_losses [B] over the rows that have at least one valid token (0 if none)."""
+    has_tokens = jnp.sum(loss_mask, axis=-1) > 0
+    return jnp.sum(jnp.where(has_tokens, row_losses, 0.0)) / jnp.maximum(jnp.sum(has_tokens), 1)
+
+
+def _token_mean(loss_mat, loss_mask, loss_scale_factor):
+    """sum(l * m) / sum(m) over the whole (mini)batch; 0 for an empty mask (verl: NaN)."""
+    del loss_scale_factor
+    n_tokens = jnp.sum(loss_mask)
+    return masked_sum(loss_mat, loss_mask) / jnp.where(n_tokens > 0, n_tokens, 1.0)
+
+
+def _seq_mean_token_sum(loss_mat, loss_mask, loss_scale_factor):
+    """Mean over rows with a valid token of sum_t(l * m)."""
+    del loss_scale_factor
+    return _mean_over_rows_with_tokens(masked_sum(loss_mat, loss_mask, axis=-1), loss_mask)
+
+
+def _seq_mean_token_mean(loss_mat, loss_mask, loss_scale_factor):
+    """Mean over rows with a valid token of sum_t(l * m) / (sum_t(m) + 1e-8)."""
+    del loss_scale_factor
+    row_means = masked_sum(loss_mat, loss_mask, axis=-1) / (jnp.sum(loss_mask, axis=-1) + 1e-8)
+    return _mean_over_rows_with_tokens(row_means, loss_mask)
+
+
+def _seq_mean_token_sum_norm(loss_mat, loss_mask, loss_scale_factor):
+    """sum over all rows of sum_t(l * m), divided by loss_scale_factor (None -> T, the padded
+    response length). Keep the factor constant through a run (Dr.GRPO's constant normaliser)."""
+    scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return masked_sum(loss_mat, loss_mask) / scale
+
+
+AGG_MODES = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def loss_agg_modes() -> list[str]:
+    """Sorted names accepted as `loss_agg_mode`."""
+    return sorted(AGG_MODES)
+
+
+def _check_agg_mode(loss_agg_mode):
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}: valid names are {', '.join(loss_agg_modes())}."
+        )
+
+
+def agg_loss(loss_mat, loss_mask, loss_agg_mode: str, loss_scale_factor: Optional[float] = None):
+    """Aggregates a per-token loss [B, T] into a scalar; `loss_agg_mode` is static:
+    token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (see above).
+    Entries where loss_mask == 0 never contribute, whatever their value."""
+    _check_agg_mode(loss_agg_mode)
+    chex.assert_equal_shape([loss_mat, loss_mask])
+    return AGG_MODES[loss_agg_mode](loss_mat, jnp.asarray(loss_mask, jnp.float32), loss_scale_factor)
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+PolicyLoss = Callable[..., tuple[jax.Array, dict]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str):
+    """Decorator: registers `fn(*, old_log_prob, log_prob, advantages, response_mask, aggregate,
+    config, key) -> (loss, metrics)` under `name`. `aggregate(loss_mat)` applies the caller's
+    loss_agg_mode; metrics may omit keys of METRIC_KEYS (they are reported as 0)."""
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered.")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def policy_loss_names() -> list[str]:
+    """Sorted names of the registered policy losses."""
+    return sorted(POLICY_LOSSES)
+
+
+def policy_loss(
+    name: str,
+    *,
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    loss_agg_mode: str,
+    config,
+    key: Optional[jax.Array] = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(scalar loss, metrics) of the policy loss registered as `name` (static under jit).
+
+    `config` is the actor section. `key` is only used by `clip_cov` (random choice of the tokens
+    to detach, as verl); without it `clip_cov` is deterministic (see its docstring).
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}: valid names are {', '.join(policy_loss_names())}.")
+    _check_agg_mode(loss_agg_mode)
+    mask = jnp.asarray(response_mask, jnp.float32)
+    chex.assert_rank(mask, 2)
+    chex.assert_equal_shape([mask, old_log_prob, log_prob, advantages])
+    old_log_prob, log_prob, advantages = (
+        zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (old_log_prob, log_prob, advantages)
+    )
+    aggregate = functools.partial(
+        agg_loss,
+        loss_mask=mask,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=config.get("loss_scale_factor", None),
+    )
+    loss, metrics = POLICY_LOSSES[name](
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=mask,
+        aggregate=aggregate,
+        config=config,
+        key=key,
+    )
+    metrics = {k: jax.lax.stop_gradient(jnp.asarray(metrics.get(k, 0.0), jnp.float32)) for k in METRIC_KEYS}
+    return loss, metrics
+
+
+def _clip_range(config):
+    """(eps_low, eps_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio (0.2)."""
+    clip_ratio = config.get("clip_ratio", 0.2)
+    low = config.get("clip_ratio_low", None)
+    high = config.get("clip_ratio_high", None)
+    return (clip_ratio if low is None else low), (clip_ratio if high is None else high)
+
+
+def _ppo_clip_terms(advantages, ratio, config):
+    """The two PPO terms l1 = -A * ratio, l2 = -A * clip(ratio, 1 - eps_low, 1 + eps_high)."""
+    low, high = _clip_range(config)
+    return -advantages * ratio, -advantages * jnp.clip(ratio, 1.0 - low, 1.0 + high)
+
+
+def _ppo_kl(log_ratio, mask):
+    """masked_mean(old_log_prob - log_prob): the sample KL(old || new) estimate verl logs."""
+    return masked_mean(-log_ratio, mask)
+
+
+@register_policy_loss("vanilla")
+def vanilla(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+    """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (DAPO,
+    arXiv:2503.14476) and dual clip (Ye et al. 2019, arXiv:1912.09729).
+
+        ratio = exp(clip(log_ratio, -20, 20))
+        l1 = -A ratio;  l2 = -A clip(ratio, 1 - eps_low, 1 + eps_high);  c1 = max(l1, l2)
+        l3 = -A clip_ratio_c;  loss_t = min(l3, c1) if A < 0 else c1;  aggregated with loss_agg_mode.
+    pg_clipfrac = mean_m(l2 > l1); pg_clipfrac_lower = mean_m(c1 > l3 and A < 0).
+    Config: clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c (3.0, must be > 1).
+    """
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}.")
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
+    clipped = jnp.maximum(l1, l2)
+    l3 = -advantages * clip_ratio_c
+    losses = jnp.where(advantages < 0, jnp.minimum(l3, clipped), clipped)
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), response_mask),
+        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(((clipped > l3) & (advantages < 0)).astype(jnp.float32), response_mask),
+    }
+    return aggregate(losses), metrics
+
+
+@register_policy_loss("gspo")
+def gspo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+    """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
+
+        s_b = sum_t(log_ratio * m) / max(|y_b|, 1)          (sequence log-ratio, length-normalised)
+        log r_t = log_prob_t - sg(log_prob_t) + sg(s_b), clamped above at 10
+        loss_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))
+    The value of r_t is exp(s_b) on every token; its gradient is r_t d log_prob_t. Always
+    aggregated with seq-mean-token-mean (loss_agg_mode is ignored, as in verl).
+    pg_clipfrac = mean_m(l2 > l1). Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    """
+    log_ratio = log_prob - old_log_prob
+    lengths = jnp.maximum(jnp.sum(response_mask, axis=-1), 1.0)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
+    token_log_ratio = log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+    ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
+    l1, l2 = _ppo_clip_terms(advantages, ratio, config)
+    loss = agg_loss(jnp.maximum(l1, l2), response_mask, "seq-mean-token-mean")
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), response_mask),
+        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("geo_mean")
+def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
+
+    Token log-ratios are clipped one-sidedly by the sign of A, then averaged per sequence:
+        c_t = clip(log_ratio_t, -eps_low, eps_high);  k_t = sign(A_t) min(sign(A_t) log_ratio_t, sign(A_t) c_t)
+        R_b = exp(sum_t(k_t m) / (|y_b| + 1e-8));  A_b = sum_t(A_t m) / (|y_b| + 1e-8)
+        loss = mean over all B rows of -A_b R_b          (loss_agg_mode is ignored, as in verl)
+    pg_clipfrac = mean_m(log_ratio != c and A > 0); pg_clipfrac_lower = same with A < 0.
+    Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    """
+    low, high = _clip_range(config)
+    log_ratio = log_prob - old_log_prob
+    clamped = jnp.clip(log_ratio, -low, high)
+    sign = jnp.sign(advantages)
+    pessimistic = sign * jnp.minimum(sign * log_ratio, sign * clamped)
+    lengths = jnp.sum(response_mask, axis=-1) + 1e-8
+    seq_ratio = jnp.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
+    seq_adv = masked_sum(advantages, response_mask, axis=-1) / lengths
+    loss = jnp.mean(-seq_adv * seq_ratio)
+    was_clipped = log_ratio != clamped
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((was_clipped & (advantages > 0)).astype(jnp.float32), response_mask),
+        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+        "actor/pg_clipfrac_lower": masked_mean((was_clipped & (advantages < 0)).astype(jnp.float32), response_mask),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("sapo")
+def sapo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+    """SAPO, soft adaptive policy optimisation (arXiv:2511.20347): a smooth sigmoid gate instead of
+    a hard clip.
+
+        ratio = exp(clip(log_ratio, -20, 20));  tau_t = tau_pos if A_t > 0 else tau_neg
+        loss_t = -A_t * sigmoid(tau_t (ratio_t - 1)) * 4 / tau_t
+    Always aggregated with seq-mean-token-mean (loss_agg_mode is ignored, as in verl).
+    No clip fractions (reported 0). Config: tau_pos (1.0), tau_neg (1.05).
+    """
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    tau = jnp.where(advantages > 0, config.get("tau_pos", 1.0), config.get("tau_neg", 1.05))
+    gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    loss = agg_loss(-gate * advantages, response_mask, "seq-mean-token-mean")
+    return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, response_mask)}
+
+
+@register_policy_loss("cispo")
+def cispo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585).
+
+        ratio = exp(clip(log_ratio, -20, 20));  w = sg(clip(ratio, 1 - eps_low, 1 + eps_high))
+        loss_t = -w A_t log_prob_t, aggregated with loss_agg_mode
+    Every token keeps a gradient (w is a constant weight). pg_clipfrac = mean_m(ratio != clip(ratio)).
+    Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    """
+    low, high = _clip_range(config)
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    weight = jnp.clip(ratio, 1.0 - low, 1.0 + high)
+    losses = -jax.lax.stop_gradient(weight) * advantages * log_prob
+    metrics = {
+        "actor/pg_clipfrac": masked_mean((ratio != weight).astype(jnp.float32), response_mask),
+        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+    return aggregate(losses), metrics
+
+
+@register_policy_loss("gpg")
+def gpg(*, old_log_prob, log_prob, advantages, response_mask, aggregate, **_):
+    """GPG, group policy gradient (Chu et al. 2025, arXiv:2504.02546): plain REINFORCE,
+    loss_t = -log_prob_t A_t, aggregated with loss_agg_mode. No clipping (clip fractions 0).
+    verl reports no metrics here; jrl still reports actor/ppo_kl (it is well defined)."""
+    return aggregate(-log_prob * advantages), {"actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, response_mask)}
+
+
+def _top_ranked(score_BT, count):
+    """Boolean [B, T]: the `count` (traced int) entries with the highest score; ties go to the
+    lower row-major position. Entries with score -inf are ranked last (select them by masking)."""
+    flat = score_BT.reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return (rank < count).reshape(score_BT.shape)
+
+
+def _covariance(advantages, log_prob, mask, mean):
+    """Per-token centred product (A - mean(A)) * (sg(log_prob) - mean(sg(log_prob)))."""
+    log_prob = jax.lax.stop_gradient(log_prob)
+    return (advantages - mean(advantages)) * (log_prob - mean(log_prob))
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, key, **_):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617).
+
+        l1, l2 as in PPO with ratio = exp(log_ratio) (no clamp); loss_t = max(l1, l2) * corr_t
+        cov_t = (A_t - mean_m(A)) (log_prob_t - mean_m(log_prob))      (no gradient)
+        candidates: valid tokens not already clipped by PPO (l2 <= l1) with lb < cov_t < ub
+        corr_t = 0 (token detached from the loss) for min(n_clip, #candidates) of the candidates,
+        n_clip = max(floor(clip_cov_ratio * #valid tokens), 1); 1 elsewhere.
+    Which candidates: verl draws them uniformly at random (torch.randperm). jrl does the same when
+    `key` is given; with key=None it deterministically takes the candidates with the largest
+    covariance (ties to the lower position).
+    pg_clipfrac = mean_m(corr == 0). Config: clip_ratio(_low/_high), clip_cov_ratio (0.0002),
+    clip_cov_lb (1.0), clip_cov_ub (5.0).
+    """
+    ratio_of_tokens = config.get("clip_cov_ratio", 0.0002)
+    if not ratio_of_tokens > 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {ratio_of_tokens}.")
+    valid = response_mask != 0
+    log_ratio = log_prob - old_log_prob
+    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
+    cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_mean(x, response_mask))
+    candidate = (
+        valid & ~(l2 > l1) & (cov < config.get("clip_cov_ub", 5.0)) & (cov > config.get("clip_cov_lb", 1.0))
+    )
+    n_clip = jnp.maximum(jnp.floor(ratio_of_tokens * jnp.sum(valid)), 1.0)
+    priority = cov if key is None else jax.random.uniform(key, cov.shape)
+    detached = candidate & _top_ranked(jnp.where(candidate, priority, -jnp.inf), n_clip)
+    losses = jnp.where(detached, 0.0, jnp.maximum(l1, l2))
+    metrics = {
+        "actor/pg_clipfrac": masked_mean(detached.astype(jnp.float32), response_mask),
+        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+    }
+    return aggregate(losses), metrics
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
+
+        ratio = exp(log_ratio) (no clamp);  loss_t = -A_t ratio_t, except on the k valid tokens of
+        largest cov_t = (A_t - mean(A)) (log_prob_t - mean(log_prob)) (means over valid tokens, no
+        gradient), where loss_t = -A_t ratio_t + ppo_kl_coef |log_ratio_t|;
+        k = max(floor(kl_cov_ratio * #valid tokens), 1) (0 if there are none).
+    Deterministic top-k; ties go to the lower position. Note: actor/ppo_kl is masked_mean(|log_ratio|)
+    here, as verl reports it. Config: kl_cov_ratio (0.0002), ppo_kl_coef (0.1).
+    """
+    ratio_of_tokens = config.get("kl_cov_ratio", 0.0002)
+    if not ratio_of_tokens > 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {ratio_of_tokens}.")
+    valid = response_mask != 0
+    n_valid = jnp.sum(valid)
+    log_ratio = log_prob - old_log_prob
+    abs_kl = jnp.abs(log_ratio)
+    l1 = -advantages * jnp.exp(log_ratio)
+    cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_sum(x, valid) / jnp.maximum(n_valid, 1))
+    k = jnp.maximum(jnp.floor(ratio_of_tokens * n_valid), 1.0)
+    penalised = valid & _top_ranked(jnp.where(valid, cov, -jnp.inf), k)
+    losses = jnp.where(penalised, l1 + config.get("ppo_kl_coef", 0.1) * abs_kl, l1)
+    return aggregate(losses), {"actor/ppo_kl": masked_mean(abs_kl, response_mask)}
+
+
+# ----------------------------------------------------------------------------- value, entropy
+
+
+def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+    """Clipped value loss (PPO critic). All [B, T]; position t is V(s_{t+1}) of action t.
+
+        v_clip = clip(vpreds, values - c, values + c),  c = cliprange_value
+        loss = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2)),  R = returns
+    Returns (loss, vf_clipfrac = mean_m((v_clip - R)^2 > (vpreds - R)^2)).
+    """
+    mask = jnp.asarray(response_mask, jnp.float32)
+    chex.assert_equal_shape([vpreds, returns, values, mask])
+    vpreds, returns, values = (zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (vpreds, returns, values))
+    vpreds_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
+    unclipped = jnp.square(vpreds - returns)
+    clipped = jnp.square(vpreds_clipped - returns)
+    loss = 0.5 * agg_loss(jnp.maximum(unclipped, clipped), mask, loss_agg_mode)
+    return loss, masked_mean((clipped > unclipped).astype(jnp.float32), mask)
+
+
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy of softmax(logits) over the last axis, in float32: H = -sum_v p_v log p_v.
+
+    Computed from log_softmax (max-shifted), so large logits do not overflow, and entries with
+    p = 0 (e.g. logits of -inf) contribute exactly 0 to the value and the gradient.
+    """
+    log_p = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    p = jnp.exp(log_p)
+    return -jnp.sum(p * jnp.where(p > 0, log_p, 0.0), axis=-1)
