@@ -98,7 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
 
   c.warmup = ml_collections.ConfigDict()
-  c.warmup.sft_steps = 0  # supervised steps on the task's answers before RL; 0: none
+  c.warmup.sft_steps = 0  # at most this many supervised steps on the task's answers before RL; 0: none
+  c.warmup.target_accuracy = 1.0  # stop the warm-up once greedy accuracy on train problems reaches this
+  c.warmup.check_every = 25  # warm-up steps between accuracy checks
   c.warmup.sft_lr = 3e-3  # Adam learning rate of the warm-up
   c.warmup.sft_batch_size = 64  # problems per warm-up step
   return c

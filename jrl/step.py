@@ -53,7 +53,14 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
 
 
 def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
-  return optax.linear_schedule(0.0, cfg.actor.lr, max(cfg.actor.lr_warmup_steps, 1))
+  """Learning rate per optimizer update: linear warm-up over `actor.lr_warmup_steps`, then constant."""
+  if cfg.actor.lr_warmup_steps <= 0:
+    return optax.constant_schedule(cfg.actor.lr)
+  return optax.linear_schedule(0.0, cfg.actor.lr, cfg.actor.lr_warmup_steps)
+
+
+def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
+  return cfg.actor.ppo_epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
 
 
 def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainState:
@@ -204,7 +211,7 @@ def make_step(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig
     params, opt_state, update_metrics = update(state.params, state.opt_state, exp, k_shuffle)
     metrics.update(update_metrics)
     metrics.update(experience_metrics(exp, max_new_tokens))
-    metrics["actor/lr"] = schedule(state.step)
+    metrics["actor/lr"] = schedule(state.step * updates_per_step(cfg))  # at this step's 1st update
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               kl_coef=kl_coef, key=key)
     return new_state, metrics

@@ -45,17 +45,23 @@ def build(cfg):
   return tok, task, rewards.get_reward(cfg.task.reward), model_config(cfg, len(tok))
 
 
-def sft_warmup(cfg, model_cfg, task, params):
-  """`warmup.sft_steps` supervised steps on the task's reference answers; returns (params, loss)."""
+def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
+  """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
+  of train problems reaches `warmup.target_accuracy` (checked every `warmup.check_every` steps) or
+  `warmup.sft_steps` steps are done. Stopping at an accuracy, not a step count, leaves RL a policy
+  that is partly right whatever the seed or machine. Returns (params, steps, accuracy)."""
   tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
   sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
   opt_state = tx.init(params)
-  loss = float("nan")
-  for i in range(cfg.warmup.sft_steps):
-    # Negative step numbers: the warm-up never sees the RL steps' batches.
-    batch = task.train_batch(-1 - i, cfg.warmup.sft_batch_size)
-    params, opt_state, loss = sft_step(params, opt_state, batch)
-  return params, float(loss)
+  probe = task.train_batch(0, 256, stream=2)  # fixed train problems for the stopping test
+  accuracy, steps = float(accuracy_fn(params, probe)["val/accuracy"]), 0
+  while steps < cfg.warmup.sft_steps and accuracy < cfg.warmup.target_accuracy:
+    batch = task.train_batch(steps, cfg.warmup.sft_batch_size, stream=1)  # not the RL steps' data
+    params, opt_state, _ = sft_step(params, opt_state, batch)
+    steps += 1
+    if steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
+      accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
+  return params, steps, accuracy
 
 
 def run(cfg, workdir: str) -> dict:
@@ -66,19 +72,18 @@ def run(cfg, workdir: str) -> dict:
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(cfg.to_json_best_effort(indent=2))
 
+  ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+             max_new_tokens=task.max_response_length)
+  eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
   key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
   params = transformer.init_params(model_cfg, key_init)
   t0 = time.perf_counter()
   if cfg.warmup.sft_steps:
-    params, loss = sft_warmup(cfg, model_cfg, task, params)
-    logging.info("warm-up: %d supervised steps in %.1fs, final loss %.4f", cfg.warmup.sft_steps,
-                 time.perf_counter() - t0, loss)
+    params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
+    logging.info("warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f", steps,
+                 time.perf_counter() - t0, acc)
   state = step_lib.init_state(cfg, model_cfg, params, key_state)
-
-  ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-             max_new_tokens=task.max_response_length)
   step_fn = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
-  eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
   eval_batch = task.eval_batch()
   evaluate = lambda params: to_python(eval_fn(params, eval_batch))
 

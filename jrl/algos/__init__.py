@@ -5,7 +5,8 @@ Submodules (import them explicitly; this package does not import them itself):
   losses.py      registry of policy losses, loss aggregation, value loss, entropy
   kl.py          KL estimators, KL-in-reward, fixed/adaptive KL controllers
 
-The masked reductions below are the ones every other module uses. Arrays are batch-major
+The masked reductions below are the ones every other module uses; `registrar` / `lookup` /
+`positive_field` are the small registry and config helpers the submodules share. Arrays are batch-major
 ([B, T] for token quantities); `mask` is the response mask (1 = a real response token, 0 = padding
 or an observation token). All of them are jittable and NaN-safe with respect to masked entries:
 values where mask == 0 are selected away with `jnp.where` before any arithmetic, so garbage (even
@@ -54,3 +55,34 @@ def masked_whiten(x, mask):
 def zero_masked(x, mask):
     """x where mask != 0, else exactly 0 (removes garbage/NaN from padded positions)."""
     return jnp.where(mask != 0, x, 0.0)
+
+
+def registrar(registry: dict, what: str):
+    """Returns `register(*names)`, a decorator adding a function to `registry` under each name."""
+
+    def register(*names):
+        def decorator(fn):
+            for name in names:
+                if name in registry:
+                    raise ValueError(f"{what} {name!r} is already registered.")
+                registry[name] = fn
+            return fn
+
+        return decorator
+
+    return register
+
+
+def lookup(registry: dict, name: str, what: str):
+    """registry[name]; an unknown name raises ValueError listing the valid (sorted) names."""
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}: valid names are {', '.join(sorted(registry))}.")
+    return registry[name]
+
+
+def positive_field(config, field: str, default):
+    """config.get(field, default), which must be > 0 (ValueError otherwise; checked at trace time)."""
+    value = config.get(field, default)
+    if not value > 0:
+        raise ValueError(f"{field} must be > 0, got {value}.")
+    return value

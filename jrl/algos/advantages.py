@@ -29,13 +29,14 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import masked_whiten, zero_masked
+from jrl.algos import lookup, masked_whiten, registrar, zero_masked
 
 GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
 
 Estimator = Callable[..., tuple[jax.Array, jax.Array]]
 ESTIMATORS: dict[str, Estimator] = {}
 _NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
+_add = registrar(ESTIMATORS, "advantage estimator")
 
 
 def register(name: str, needs: Sequence[str] = ()):
@@ -44,9 +45,7 @@ def register(name: str, needs: Sequence[str] = ()):
     inputs (`index`, `values`, `reward_baselines`) it cannot run without."""
 
     def decorator(fn: Estimator) -> Estimator:
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered.")
-        ESTIMATORS[name] = fn
+        fn = _add(name)(fn)
         _NEEDS[name] = tuple(needs)
         return fn
 
@@ -73,8 +72,7 @@ def compute(
     `config` is the run config's `algorithm` section (an ml_collections.ConfigDict); each
     estimator reads its own fields with defaults (see its docstring).
     """
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}: valid names are {', '.join(names())}.")
+    estimator = lookup(ESTIMATORS, name, "advantage estimator")
     given = {"index": index, "values": values, "reward_baselines": reward_baselines}
     missing = [k for k in _NEEDS[name] if given[k] is None]
     if missing:
@@ -95,7 +93,7 @@ def compute(
         reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
     rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
-    advantages, returns = ESTIMATORS[name](
+    advantages, returns = estimator(
         token_level_rewards=rewards,
         response_mask=mask,
         index=index,

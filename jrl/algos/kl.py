@@ -22,18 +22,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import masked_mean, zero_masked
+from jrl.algos import lookup, masked_mean, positive_field, registrar, zero_masked
 
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {}
-
-
-def _register(*aliases: str):
-    def decorator(fn):
-        for alias in aliases:
-            KL_ESTIMATORS[alias] = fn
-        return fn
-
-    return decorator
+_register = registrar(KL_ESTIMATORS, "KL kind")
 
 
 def kl_kinds() -> list[str]:
@@ -64,10 +56,9 @@ def _k3(logprob, ref_logprob):
 
 def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kind: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref), same shape as the inputs; `kind` is static."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL kind {kind!r}: valid names are {', '.join(kl_kinds())}.")
+    estimator = lookup(KL_ESTIMATORS, kind, "KL kind")
     chex.assert_equal_shape([logprob, ref_logprob])
-    return KL_ESTIMATORS[kind](jnp.asarray(logprob, jnp.float32), jnp.asarray(ref_logprob, jnp.float32))
+    return estimator(jnp.asarray(logprob, jnp.float32), jnp.asarray(ref_logprob, jnp.float32))
 
 
 def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, beta, kind):
@@ -109,16 +100,9 @@ KL_CONTROLLERS = {"fixed": _fixed_update, "adaptive": _adaptive_update}
 def _kl_ctrl_section(config):
     """The validated `kl_ctrl` sub-section of the algorithm config (an empty dict when absent)."""
     ctrl = config.get("kl_ctrl", None) or {}
-    kind = ctrl.get("type", "fixed")
-    if kind not in KL_CONTROLLERS:
-        raise ValueError(
-            f"unknown kl_ctrl.type {kind!r}: valid names are {', '.join(sorted(KL_CONTROLLERS))}."
-        )
-    if kind == "adaptive":
-        if not ctrl.get("horizon", 10000) > 0:
-            raise ValueError(f"kl_ctrl.horizon must be > 0, got {ctrl.get('horizon')}.")
-        if not ctrl.get("target_kl", 0.1) > 0:
-            raise ValueError(f"kl_ctrl.target_kl must be > 0, got {ctrl.get('target_kl')}.")
+    if lookup(KL_CONTROLLERS, ctrl.get("type", "fixed"), "kl_ctrl.type") is _adaptive_update:
+        positive_field(ctrl, "horizon", 10000)
+        positive_field(ctrl, "target_kl", 0.1)
     return ctrl
 
 

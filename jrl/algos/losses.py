@@ -28,7 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import masked_mean, masked_sum, zero_masked
+from jrl.algos import lookup, masked_mean, masked_sum, positive_field, registrar, zero_masked
 
 METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 LOG_RATIO_CLAMP = 20.0  # |log_ratio| bound before exp in vanilla / sapo / cispo
@@ -83,20 +83,13 @@ def loss_agg_modes() -> list[str]:
     return sorted(AGG_MODES)
 
 
-def _check_agg_mode(loss_agg_mode):
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(
-            f"unknown loss_agg_mode {loss_agg_mode!r}: valid names are {', '.join(loss_agg_modes())}."
-        )
-
-
 def agg_loss(loss_mat, loss_mask, loss_agg_mode: str, loss_scale_factor: Optional[float] = None):
     """Aggregates a per-token loss [B, T] into a scalar; `loss_agg_mode` is static:
     token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (see above).
     Entries where loss_mask == 0 never contribute, whatever their value."""
-    _check_agg_mode(loss_agg_mode)
+    aggregate = lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
     chex.assert_equal_shape([loss_mat, loss_mask])
-    return AGG_MODES[loss_agg_mode](loss_mat, jnp.asarray(loss_mask, jnp.float32), loss_scale_factor)
+    return aggregate(loss_mat, jnp.asarray(loss_mask, jnp.float32), loss_scale_factor)
 
 
 # ----------------------------------------------------------------------------- policy losses
@@ -105,18 +98,10 @@ PolicyLoss = Callable[..., tuple[jax.Array, dict]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str):
-    """Decorator: registers `fn(*, old_log_prob, log_prob, advantages, response_mask, aggregate,
-    config, key) -> (loss, metrics)` under `name`. `aggregate(loss_mat)` applies the caller's
-    loss_agg_mode; metrics may omit keys of METRIC_KEYS (they are reported as 0)."""
-
-    def decorator(fn: PolicyLoss) -> PolicyLoss:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered.")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
+# `@register_policy_loss("name")` on `fn(*, old_log_prob, log_prob, advantages, response_mask,
+# aggregate, config, key) -> (loss, metrics)`: `aggregate(loss_mat)` applies the caller's
+# loss_agg_mode; metrics may omit keys of METRIC_KEYS (they are reported as 0).
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
 def policy_loss_names() -> list[str]:
@@ -140,9 +125,8 @@ def policy_loss(
     `config` is the actor section. `key` is only used by `clip_cov` (random choice of the tokens
     to detach, as verl); without it `clip_cov` is deterministic (see its docstring).
     """
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}: valid names are {', '.join(policy_loss_names())}.")
-    _check_agg_mode(loss_agg_mode)
+    loss_fn = lookup(POLICY_LOSSES, name, "policy loss")
+    lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_rank(mask, 2)
     chex.assert_equal_shape([mask, old_log_prob, log_prob, advantages])
@@ -155,7 +139,7 @@ def policy_loss(
         loss_agg_mode=loss_agg_mode,
         loss_scale_factor=config.get("loss_scale_factor", None),
     )
-    loss, metrics = POLICY_LOSSES[name](
+    loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
@@ -344,9 +328,7 @@ def clip_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, co
     pg_clipfrac = mean_m(corr == 0). Config: clip_ratio(_low/_high), clip_cov_ratio (0.0002),
     clip_cov_lb (1.0), clip_cov_ub (5.0).
     """
-    ratio_of_tokens = config.get("clip_cov_ratio", 0.0002)
-    if not ratio_of_tokens > 0:
-        raise ValueError(f"clip_cov_ratio must be > 0, got {ratio_of_tokens}.")
+    ratio_of_tokens = positive_field(config, "clip_cov_ratio", 0.0002)
     valid = response_mask != 0
     log_ratio = log_prob - old_log_prob
     l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
@@ -376,9 +358,7 @@ def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, conf
     Deterministic top-k; ties go to the lower position. Note: actor/ppo_kl is masked_mean(|log_ratio|)
     here, as verl reports it. Config: kl_cov_ratio (0.0002), ppo_kl_coef (0.1).
     """
-    ratio_of_tokens = config.get("kl_cov_ratio", 0.0002)
-    if not ratio_of_tokens > 0:
-        raise ValueError(f"kl_cov_ratio must be > 0, got {ratio_of_tokens}.")
+    ratio_of_tokens = positive_field(config, "kl_cov_ratio", 0.0002)
     valid = response_mask != 0
     n_valid = jnp.sum(valid)
     log_ratio = log_prob - old_log_prob

@@ -4,8 +4,8 @@ Problems are triples (a, op, b) with integer operands uniform in [0, 10**num_dig
 without leading zeros; subtraction may give a negative answer, written with a leading "-". The
 set of all distinct problems is numbered 0..N-1 (N = len(ops) * 10**(2*num_digits)); a held-out
 eval split of `eval_size` problem numbers is drawn once from `seed`, and train batches sample the
-remaining problems uniformly with replacement from `np.random.default_rng([seed, step])`, so a
-batch is a pure function of (seed, step) and a resumed run sees the same data.
+remaining problems uniformly with replacement from `np.random.default_rng([seed, stream, step])`,
+so a batch is a pure function of (seed, stream, step) and a resumed run sees the same data.
 
 Batches are dicts of numpy arrays with static shapes (P = prompt length, R = response length):
   input_ids       [Bp, P] int32  `<bos>` + prompt tokens, LEFT-padded with the pad id
@@ -137,9 +137,10 @@ class ArithmeticTask:
         a, b = np.divmod(rest, self._base)
         return Problems(a=a, op=np.asarray(self.ops)[op_index], b=b)
 
-    def sample_train_problems(self, step: int, batch_size: int) -> Problems:
-        """`batch_size` train problems, uniform with replacement; a function of (seed, step)."""
-        rng = np.random.default_rng([self.seed, step])
+    def sample_train_problems(self, step: int, batch_size: int, stream: int = 0) -> Problems:
+        """`batch_size` train problems, uniform with replacement; a function of (seed, stream,
+        step). Streams keep uses apart (0: RL steps, 1: the supervised warm-up)."""
+        rng = np.random.default_rng([self.seed, stream, step])
         k = rng.integers(0, self.num_train, size=batch_size, dtype=np.int64)
         # The k-th train number skips every held-out number at or below it.
         return self._problems(k + np.searchsorted(self._shift, k, side="right"))
@@ -186,9 +187,9 @@ class ArithmeticTask:
             answer_len=answer_len,
         )
 
-    def train_batch(self, step: int, batch_size: int) -> dict:
-        """The train batch of `step`: `batch_size` rows, same (seed, step) -> same batch."""
-        return self.encode(self.sample_train_problems(step, batch_size))
+    def train_batch(self, step: int, batch_size: int, stream: int = 0) -> dict:
+        """The train batch of `step`: `batch_size` rows, same (seed, stream, step) -> same batch."""
+        return self.encode(self.sample_train_problems(step, batch_size, stream))
 
     def eval_batch(self) -> dict:
         """The whole eval split (`eval_size` rows) in a fixed order; computed once."""
