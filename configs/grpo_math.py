@@ -27,6 +27,7 @@ def get_config(arg: str | None = None):
 
   c.warmup.sft_steps = 3000  # supervised warm-up, at most this many steps ...
   c.warmup.target_accuracy = 0.3  # ... until greedy train accuracy reaches 30%: RL has work left
+  c.warmup.check_every = 10  # accuracy checks during the warm-up: fine enough to stop near the target
   c.warmup.sft_lr = 1e-3  # warm-up learning rate
 
   c.data.train_batch_size = 32  # prompts per step

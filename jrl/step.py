@@ -174,7 +174,7 @@ def make_phases(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConf
     params, opt_state = carry
     grads, metrics = jax.grad(actor_loss, has_aux=True)(params, mb)
     updates, opt_state = tx.update(grads, opt_state, params)
-    metrics["actor/grad_norm"] = optax.global_norm(grads)
+    metrics["actor/grad_norm"] = optax.tree.norm(grads)
     return (optax.apply_updates(params, updates), opt_state), metrics
 
   def update(params, opt_state, exp: Batch, key):

@@ -18,9 +18,8 @@ PMASK = (np.arange(5)[None] >= np.array([[2], [0], [1]])).astype(np.int32)
 
 @pytest.fixture(scope="module")
 def params():
-  p = tfm.init_params(CFG, jax.random.key(1))
-  # Large embeddings make the random model's distributions peaked enough to emit EOS sometimes.
-  return {**p, "embed": p["embed"] * 40}
+  # A small random model: close to uniform over 11 tokens, so EOS comes up often enough.
+  return tfm.init_params(CFG, jax.random.key(1))
 
 
 @pytest.fixture(scope="module")
