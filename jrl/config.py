@@ -15,145 +15,172 @@ import ml_collections
 
 from jrl.algos import advantages, kl, losses
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 # Estimators that compare samples of the same prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
 
 
 class ConfigError(ValueError):
-  """A config value that cannot run; the message names the field and the fix."""
+    """A config value that cannot run; the message names the field and the fix."""
 
 
 def base_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.seed = 0  # PRNG seed: initialisation, sampling, minibatch shuffling, data order
-  c.total_steps = 100  # RL steps to run
-  c.eval_every = 25  # greedy eval every K steps (and always at the start and the end); 0: only those
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # PRNG seed: initialisation, sampling, minibatch shuffling, data order
+    c.total_steps = 100  # RL steps to run
+    c.eval_every = (
+        25  # greedy eval every K steps (and always at the start and the end); 0: only those
+    )
 
-  c.model = ml_collections.ConfigDict()
-  c.model.hidden_size = 64  # width of the residual stream
-  c.model.num_layers = 2  # decoder blocks
-  c.model.num_heads = 4  # query heads
-  c.model.num_kv_heads = 2  # key / value heads (grouped-query attention)
-  c.model.head_dim = 0  # per-head width; 0: hidden_size // num_heads
-  c.model.intermediate_size = 128  # SwiGLU MLP width
-  c.model.rope_theta = 10000.0  # RoPE base
-  c.model.rms_norm_eps = 1e-6  # RMSNorm epsilon
-  c.model.qkv_bias = False  # biases on q / k / v projections (Qwen2: True)
-  c.model.tie_word_embeddings = True  # output head shares the embedding matrix
-  c.model.dtype = "float32"  # compute dtype (float32 | bfloat16)
-  c.model.param_dtype = "float32"  # master-weight dtype
+    c.model = ml_collections.ConfigDict()
+    c.model.hidden_size = 64  # width of the residual stream
+    c.model.num_layers = 2  # decoder blocks
+    c.model.num_heads = 4  # query heads
+    c.model.num_kv_heads = 2  # key / value heads (grouped-query attention)
+    c.model.head_dim = 0  # per-head width; 0: hidden_size // num_heads
+    c.model.intermediate_size = 128  # SwiGLU MLP width
+    c.model.rope_theta = 10000.0  # RoPE base
+    c.model.rms_norm_eps = 1e-6  # RMSNorm epsilon
+    c.model.qkv_bias = False  # biases on q / k / v projections (Qwen2: True)
+    c.model.tie_word_embeddings = True  # output head shares the embedding matrix
+    c.model.dtype = "float32"  # compute dtype (float32 | bfloat16)
+    c.model.param_dtype = "float32"  # master-weight dtype
 
-  c.tokenizer = "char"  # "char": the built-in character tokenizer; else a local HF tokenizer dir
+    c.tokenizer = "char"  # "char": the built-in character tokenizer; else a local HF tokenizer dir
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"  # built-in task (jrl.data.TASKS)
-  c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
-  c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
-  c.task.eval_size = 256  # held-out problems in the eval split
-  c.task.reward = "arithmetic_exact_match"  # reward function (jrl.rewards.REWARDS)
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "arithmetic"  # built-in task (jrl.data.TASKS)
+    c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
+    c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
+    c.task.eval_size = 256  # held-out problems in the eval split
+    c.task.reward = "arithmetic_exact_match"  # reward function (jrl.rewards.REWARDS)
 
-  c.data = ml_collections.ConfigDict()
-  c.data.train_batch_size = 32  # prompts per RL step (B_p); rows per step = B_p * rollout.n
-  c.data.max_prompt_length = 0  # P, left-padded; 0: the task's own prompt length
-  c.data.max_response_length = 0  # R, new tokens per response; 0: the task's answer length
+    c.data = ml_collections.ConfigDict()
+    c.data.train_batch_size = 32  # prompts per RL step (B_p); rows per step = B_p * rollout.n
+    c.data.max_prompt_length = 0  # P, left-padded; 0: the task's own prompt length
+    c.data.max_response_length = 0  # R, new tokens per response; 0: the task's answer length
 
-  c.rollout = ml_collections.ConfigDict()
-  c.rollout.n = 8  # samples per prompt (the GRPO group size)
-  c.rollout.temperature = 1.0  # sampling temperature (also applied to log-probs in the update)
-  c.rollout.top_k = 0  # keep the k most likely tokens; 0: off
-  c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0: off
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.n = 8  # samples per prompt (the GRPO group size)
+    c.rollout.temperature = 1.0  # sampling temperature (also applied to log-probs in the update)
+    c.rollout.top_k = 0  # keep the k most likely tokens; 0: off
+    c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0: off
 
-  c.actor = ml_collections.ConfigDict()
-  c.actor.lr = 1e-3  # peak learning rate (AdamW)
-  c.actor.lr_warmup_steps = 0  # linear warm-up of the learning rate, in optimizer updates
-  c.actor.betas = (0.9, 0.999)  # AdamW betas
-  c.actor.weight_decay = 0.0  # AdamW decoupled weight decay
-  c.actor.grad_clip = 1.0  # global-norm gradient clipping
-  c.actor.ppo_epochs = 1  # passes over the rollout batch per step
-  c.actor.ppo_mini_batch_size = 16  # prompts per optimizer update (rows: x rollout.n)
-  c.actor.policy_loss = "vanilla"  # policy loss (jrl.algos.losses.policy_loss_names())
-  c.actor.clip_ratio = 0.2  # PPO clip epsilon (default of the two below)
-  c.actor.clip_ratio_low = 0.2  # lower clip: ratio >= 1 - clip_ratio_low
-  c.actor.clip_ratio_high = 0.2  # upper clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28)
-  c.actor.clip_ratio_c = 3.0  # dual-clip bound for negative advantages (> 1)
-  c.actor.loss_agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-  c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
-  c.actor.kl_loss_coef = 0.001  # weight of the KL loss
-  c.actor.kl_loss_type = "low_var_kl"  # KL estimator of the loss: kl | abs | mse | low_var_kl (k1/k2/k3)
-  c.actor.entropy_coeff = 0.0  # entropy bonus weight (subtracted from the loss)
+    c.actor = ml_collections.ConfigDict()
+    c.actor.lr = 1e-3  # peak learning rate (AdamW)
+    c.actor.lr_warmup_steps = 0  # linear warm-up of the learning rate, in optimizer updates
+    c.actor.betas = (0.9, 0.999)  # AdamW betas
+    c.actor.weight_decay = 0.0  # AdamW decoupled weight decay
+    c.actor.grad_clip = 1.0  # global-norm gradient clipping
+    c.actor.ppo_epochs = 1  # passes over the rollout batch per step
+    c.actor.ppo_mini_batch_size = 16  # prompts per optimizer update (rows: x rollout.n)
+    c.actor.policy_loss = "vanilla"  # policy loss (jrl.algos.losses.policy_loss_names())
+    c.actor.clip_ratio = 0.2  # PPO clip epsilon (default of the two below)
+    c.actor.clip_ratio_low = 0.2  # lower clip: ratio >= 1 - clip_ratio_low
+    c.actor.clip_ratio_high = 0.2  # upper clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28)
+    c.actor.clip_ratio_c = 3.0  # dual-clip bound for negative advantages (> 1)
+    c.actor.loss_agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
+    c.actor.kl_loss_coef = 0.001  # weight of the KL loss
+    c.actor.kl_loss_type = (
+        "low_var_kl"  # KL estimator of the loss: kl | abs | mse | low_var_kl (k1/k2/k3)
+    )
+    c.actor.entropy_coeff = 0.0  # entropy bonus weight (subtracted from the loss)
 
-  c.algorithm = ml_collections.ConfigDict()
-  c.algorithm.adv_estimator = "grpo"  # advantage estimator (jrl.algos.advantages.names())
-  c.algorithm.norm_adv_by_std_in_grpo = True  # GRPO divides by the group std; False: Dr.GRPO
-  c.algorithm.gamma = 1.0  # discount
-  c.algorithm.lam = 1.0  # GAE lambda
-  c.algorithm.use_kl_in_reward = False  # subtract beta * KL(old || ref) from the token rewards
-  c.algorithm.kl_penalty = "kl"  # KL estimator in the reward: kl | abs | mse | low_var_kl
-  c.algorithm.kl_ctrl = ml_collections.ConfigDict()
-  c.algorithm.kl_ctrl.type = "fixed"  # beta controller: fixed | adaptive
-  c.algorithm.kl_ctrl.kl_coef = 0.001  # initial beta
-  c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
-  c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
+    c.algorithm = ml_collections.ConfigDict()
+    c.algorithm.adv_estimator = "grpo"  # advantage estimator (jrl.algos.advantages.names())
+    c.algorithm.norm_adv_by_std_in_grpo = True  # GRPO divides by the group std; False: Dr.GRPO
+    c.algorithm.gamma = 1.0  # discount
+    c.algorithm.lam = 1.0  # GAE lambda
+    c.algorithm.use_kl_in_reward = False  # subtract beta * KL(old || ref) from the token rewards
+    c.algorithm.kl_penalty = "kl"  # KL estimator in the reward: kl | abs | mse | low_var_kl
+    c.algorithm.kl_ctrl = ml_collections.ConfigDict()
+    c.algorithm.kl_ctrl.type = "fixed"  # beta controller: fixed | adaptive
+    c.algorithm.kl_ctrl.kl_coef = 0.001  # initial beta
+    c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
+    c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
 
-  c.warmup = ml_collections.ConfigDict()
-  c.warmup.sft_steps = 0  # at most this many supervised steps on the task's answers before RL; 0: none
-  c.warmup.target_accuracy = 1.0  # stop the warm-up once greedy accuracy on train problems reaches this
-  c.warmup.check_every = 25  # warm-up steps between accuracy checks
-  c.warmup.sft_lr = 3e-3  # Adam learning rate of the warm-up
-  c.warmup.sft_batch_size = 64  # problems per warm-up step
-  return c
+    c.warmup = ml_collections.ConfigDict()
+    c.warmup.sft_steps = (
+        0  # at most this many supervised steps on the task's answers before RL; 0: none
+    )
+    c.warmup.target_accuracy = (
+        1.0  # stop the warm-up once greedy accuracy on train problems reaches this
+    )
+    c.warmup.check_every = 25  # warm-up steps between accuracy checks
+    c.warmup.sft_lr = 3e-3  # Adam learning rate of the warm-up
+    c.warmup.sft_batch_size = 64  # problems per warm-up step
+    return c
 
 
 def _suggest(value, valid) -> str:
-  close = difflib.get_close_matches(str(value), list(valid), n=1)
-  return f" (did you mean '{close[0]}'?)" if close else ""
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _choice(field: str, value, valid) -> None:
-  if value not in valid:
-    raise ConfigError(f"{field}='{value}' is unknown{_suggest(value, valid)}; valid names: "
-                      f"{', '.join(sorted(valid))}.")
+    if value not in valid:
+        raise ConfigError(
+            f"{field}='{value}' is unknown{_suggest(value, valid)}; valid names: "
+            f"{', '.join(sorted(valid))}."
+        )
 
 
 def _check(ok: bool, message: str) -> None:
-  if not ok:
-    raise ConfigError(message)
+    if not ok:
+        raise ConfigError(message)
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
-  """Checks names, ranges and divisibility; raises ConfigError with a one-line message."""
-  _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.names())
-  _choice("actor.policy_loss", cfg.actor.policy_loss, losses.policy_loss_names())
-  _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES)
-  _choice("actor.kl_loss_type", cfg.actor.kl_loss_type, kl.kl_kinds())
-  _choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.kl_kinds())
-  _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+    """Checks names, ranges and divisibility; raises ConfigError with a one-line message."""
+    _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.names())
+    _choice("actor.policy_loss", cfg.actor.policy_loss, losses.policy_loss_names())
+    _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("actor.kl_loss_type", cfg.actor.kl_loss_type, kl.kl_kinds())
+    _choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.kl_kinds())
+    _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
 
-  _check(cfg.total_steps >= 1, f"total_steps={cfg.total_steps} must be >= 1.")
-  _check(cfg.eval_every >= 0, f"eval_every={cfg.eval_every} must be >= 0 (0: eval only at start and end).")
-  _check(cfg.data.train_batch_size >= 1,
-         f"data.train_batch_size={cfg.data.train_batch_size} must be >= 1.")
-  _check(cfg.rollout.n >= 1, f"rollout.n={cfg.rollout.n} must be >= 1.")
-  _check(not (cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2),
-         f"algorithm.adv_estimator='{cfg.algorithm.adv_estimator}' compares samples of a prompt "
-         f"and needs rollout.n >= 2 (got {cfg.rollout.n}); set --config.rollout.n=8.")
-  mb = cfg.actor.ppo_mini_batch_size
-  _check(mb >= 1 and cfg.data.train_batch_size % mb == 0,
-         f"data.train_batch_size={cfg.data.train_batch_size} is not divisible by "
-         f"actor.ppo_mini_batch_size={mb}; choose a mini-batch size (in prompts) that divides it.")
-  _check(cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs={cfg.actor.ppo_epochs} must be >= 1.")
-  _check(cfg.actor.lr >= 0, f"actor.lr={cfg.actor.lr} must be >= 0.")
-  _check(cfg.rollout.temperature > 0,
-         f"rollout.temperature={cfg.rollout.temperature} must be > 0 (greedy is used for eval).")
-  _check(0 < cfg.rollout.top_p <= 1, f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1].")
-  _check(cfg.rollout.top_k >= 0, f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off).")
-  for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-    v = cfg.actor[name]
-    _check(0 < v < 1, f"actor.{name}={v} must be in (0, 1).")
-  _check(cfg.actor.clip_ratio_c > 1, f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1.")
-  _check(cfg.algorithm.gamma >= 0 and 0 <= cfg.algorithm.lam <= 1,
-         f"algorithm.gamma={cfg.algorithm.gamma} must be >= 0 and algorithm.lam="
-         f"{cfg.algorithm.lam} in [0, 1].")
-  _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")
+    _check(cfg.total_steps >= 1, f"total_steps={cfg.total_steps} must be >= 1.")
+    _check(
+        cfg.eval_every >= 0,
+        f"eval_every={cfg.eval_every} must be >= 0 (0: eval only at start and end).",
+    )
+    _check(
+        cfg.data.train_batch_size >= 1,
+        f"data.train_batch_size={cfg.data.train_batch_size} must be >= 1.",
+    )
+    _check(cfg.rollout.n >= 1, f"rollout.n={cfg.rollout.n} must be >= 1.")
+    _check(
+        not (cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2),
+        f"algorithm.adv_estimator='{cfg.algorithm.adv_estimator}' compares samples of a prompt "
+        f"and needs rollout.n >= 2 (got {cfg.rollout.n}); set --config.rollout.n=8.",
+    )
+    mb = cfg.actor.ppo_mini_batch_size
+    _check(
+        mb >= 1 and cfg.data.train_batch_size % mb == 0,
+        f"data.train_batch_size={cfg.data.train_batch_size} is not divisible by "
+        f"actor.ppo_mini_batch_size={mb}; choose a mini-batch size (in prompts) that divides it.",
+    )
+    _check(cfg.actor.ppo_epochs >= 1, f"actor.ppo_epochs={cfg.actor.ppo_epochs} must be >= 1.")
+    _check(cfg.actor.lr >= 0, f"actor.lr={cfg.actor.lr} must be >= 0.")
+    _check(
+        cfg.rollout.temperature > 0,
+        f"rollout.temperature={cfg.rollout.temperature} must be > 0 (greedy is used for eval).",
+    )
+    _check(0 < cfg.rollout.top_p <= 1, f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1].")
+    _check(cfg.rollout.top_k >= 0, f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off).")
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        v = cfg.actor[name]
+        _check(0 < v < 1, f"actor.{name}={v} must be in (0, 1).")
+    _check(cfg.actor.clip_ratio_c > 1, f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1.")
+    _check(
+        cfg.algorithm.gamma >= 0 and 0 <= cfg.algorithm.lam <= 1,
+        f"algorithm.gamma={cfg.algorithm.gamma} must be >= 0 and algorithm.lam="
+        f"{cfg.algorithm.lam} in [0, 1].",
+    )
+    _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")

@@ -20,82 +20,109 @@ from jrl.models import transformer
 
 
 class Rollout(NamedTuple):
-  response_ids: jax.Array  # [B, R] int32, pad after EOS
-  response_mask: jax.Array  # [B, R] int32, 1 up to and including EOS
-  log_probs: jax.Array  # [B, R] float32, 0 where masked
+    response_ids: jax.Array  # [B, R] int32, pad after EOS
+    response_mask: jax.Array  # [B, R] int32, 1 up to and including EOS
+    log_probs: jax.Array  # [B, R] float32, 0 where masked
 
 
 def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
-  """Sets logits outside the top-k / nucleus (top-p) support to -inf. 0 / 1.0 switch a filter off.
+    """Sets logits outside the top-k / nucleus (top-p) support to -inf. 0 / 1.0 switch a filter off.
 
-  Top-p keeps the smallest set of most likely tokens whose probability reaches p (ties with the
-  last kept token are kept too); the most likely token is always kept.
-  """
-  neg_inf = jnp.finfo(logits_BV.dtype).min
-  if top_k and top_k < logits_BV.shape[-1]:
-    kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
-    logits_BV = jnp.where(logits_BV < kth, neg_inf, logits_BV)
-  if top_p < 1.0:
-    sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-    threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-    logits_BV = jnp.where(logits_BV < threshold, neg_inf, logits_BV)
-  return logits_BV
+    Top-p keeps the smallest set of most likely tokens whose probability reaches p (ties with the
+    last kept token are kept too); the most likely token is always kept.
+    """
+    neg_inf = jnp.finfo(logits_BV.dtype).min
+    if top_k and top_k < logits_BV.shape[-1]:
+        kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
+        logits_BV = jnp.where(logits_BV < kth, neg_inf, logits_BV)
+    if top_p < 1.0:
+        sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+        threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+        logits_BV = jnp.where(logits_BV < threshold, neg_inf, logits_BV)
+    return logits_BV
 
 
 def sample_token(key, logits_BV, *, temperature: float, top_k: int, top_p: float, greedy: bool):
-  """Draws one token per row; returns (token [B], log-prob [B] under softmax(logits / T))."""
-  logits_BV = logits_BV / temperature
-  if greedy:
-    token = jnp.argmax(logits_BV, axis=-1)
-  else:
-    token = jax.random.categorical(key, filter_logits(logits_BV, top_k, top_p), axis=-1)
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
-  return token.astype(jnp.int32), logp
+    """Draws one token per row; returns (token [B], log-prob [B] under softmax(logits / T))."""
+    logits_BV = logits_BV / temperature
+    if greedy:
+        token = jnp.argmax(logits_BV, axis=-1)
+    else:
+        token = jax.random.categorical(key, filter_logits(logits_BV, top_k, top_p), axis=-1)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
+    return token.astype(jnp.int32), logp
 
 
-def generate(model_cfg: transformer.ModelConfig, params, prompt_ids_BP, prompt_mask_BP, key, *,
-             max_new_tokens: int, eos_id: int, pad_id: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
-  """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS."""
-  model = transformer.Transformer(model_cfg)
-  b, p = prompt_ids_BP.shape
-  r = max_new_tokens
-  s = p + r
-  slots = jnp.arange(s)
-  key_valid_BS = jnp.zeros((b, s), bool).at[:, :p].set(prompt_mask_BP.astype(bool))
-  positions_BP = transformer.positions_from_mask(prompt_mask_BP)
+def generate(
+    model_cfg: transformer.ModelConfig,
+    params,
+    prompt_ids_BP,
+    prompt_mask_BP,
+    key,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> Rollout:
+    """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS."""
+    model = transformer.Transformer(model_cfg)
+    b, p = prompt_ids_BP.shape
+    r = max_new_tokens
+    s = p + r
+    slots = jnp.arange(s)
+    key_valid_BS = jnp.zeros((b, s), bool).at[:, :p].set(prompt_mask_BP.astype(bool))
+    positions_BP = transformer.positions_from_mask(prompt_mask_BP)
 
-  prefill_mask = key_valid_BS[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
-  cache = transformer.init_cache(model_cfg, b, s)
-  logits, _, cache = model.apply({"params": params}, prompt_ids_BP, positions_BP, prefill_mask,
-                                 cache, 0)
-  first_pos_B = positions_BP[:, -1] + 1
+    prefill_mask = key_valid_BS[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
+    cache = transformer.init_cache(model_cfg, b, s)
+    logits, _, cache = model.apply(
+        {"params": params}, prompt_ids_BP, positions_BP, prefill_mask, cache, 0
+    )
+    first_pos_B = positions_BP[:, -1] + 1
 
-  def cond(carry):
-    t, _, _, done, *_ = carry
-    return (t < r) & ~jnp.all(done)
+    def cond(carry):
+        t, _, _, done, *_ = carry
+        return (t < r) & ~jnp.all(done)
 
-  def body(carry):
-    t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
-    token, logp = sample_token(jax.random.fold_in(key, t), logits_BV, temperature=temperature,
-                               top_k=top_k, top_p=top_p, greedy=greedy)
-    live = ~done
-    token = jnp.where(live, token, pad_id)
-    ids = ids.at[:, t].set(token)
-    mask = mask.at[:, t].set(live.astype(jnp.int32))
-    logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
-    done = done | (token == eos_id)
-    key_valid = key_valid.at[:, p + t].set(True)
-    step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-    logits, _, cache = model.apply({"params": params}, token[:, None], (first_pos_B + t)[:, None],
-                                   step_mask, cache, p + t)
-    return t + 1, logits[:, -1], cache, done, key_valid, ids, mask, logps
+    def body(carry):
+        t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
+        token, logp = sample_token(
+            jax.random.fold_in(key, t),
+            logits_BV,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            greedy=greedy,
+        )
+        live = ~done
+        token = jnp.where(live, token, pad_id)
+        ids = ids.at[:, t].set(token)
+        mask = mask.at[:, t].set(live.astype(jnp.int32))
+        logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
+        done = done | (token == eos_id)
+        key_valid = key_valid.at[:, p + t].set(True)
+        step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
+        logits, _, cache = model.apply(
+            {"params": params}, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
+        )
+        return t + 1, logits[:, -1], cache, done, key_valid, ids, mask, logps
 
-  carry = (jnp.int32(0), logits[:, -1], cache, jnp.zeros((b,), bool), key_valid_BS,
-           jnp.full((b, r), pad_id, jnp.int32), jnp.zeros((b, r), jnp.int32),
-           jnp.zeros((b, r), jnp.float32))
-  _, _, _, _, _, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
-  return Rollout(ids, mask, logps)
+    carry = (
+        jnp.int32(0),
+        logits[:, -1],
+        cache,
+        jnp.zeros((b,), bool),
+        key_valid_BS,
+        jnp.full((b, r), pad_id, jnp.int32),
+        jnp.zeros((b, r), jnp.int32),
+        jnp.zeros((b, r), jnp.float32),
+    )
+    _, _, _, _, _, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
+    return Rollout(ids, mask, logps)

@@ -4,6 +4,7 @@ Every tokenizer jrl uses is a `transformers.PreTrainedTokenizerFast` with a pad,
 HF tokenizers) and eos token. Encoding never adds special tokens behind the caller's back for the
 character tokenizer; callers add `<bos>` / `<eos>` explicitly.
 """
+
 import os
 
 import transformers
@@ -16,12 +17,7 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # token per character. Checkpoints store embeddings by id, so this order is fixed forever:
 # changing or reordering it breaks every saved character-level model. Only append at the end.
 CHAR_VOCAB = SPECIAL_TOKENS + tuple(
-    "0123456789"
-    "+-*/=()"
-    " "
-    ".,:;?!'\"#%&<>_"
-    "abcdefghijklmnopqrstuvwxyz"
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    "0123456789+-*/=() .,:;?!'\"#%&<>_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 )
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 

@@ -22,115 +22,143 @@ from jrl import data, rewards, step as step_lib, tokenizer as tokenizer_lib
 from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import transformer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:preset]).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None,
-                               "Output directory (metrics.jsonl, tensorboard events, config.json); "
-                               "default: runs/<config name>/<time>.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py[:preset]).", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    None,
+    "Output directory (metrics.jsonl, tensorboard events, config.json); "
+    "default: runs/<config name>/<time>.",
+)
 
 
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
-  fields = dict(cfg.model)
-  fields["head_dim"] = fields["head_dim"] or None
-  return transformer.ModelConfig(vocab_size=vocab_size, **fields)
+    fields = dict(cfg.model)
+    fields["head_dim"] = fields["head_dim"] or None
+    return transformer.ModelConfig(vocab_size=vocab_size, **fields)
 
 
 def build(cfg):
-  """Tokenizer, task, reward function and model config of a run."""
-  tok = tokenizer_lib.get_tokenizer(cfg.tokenizer)
-  task = data.make_task(cfg.task.name, tok, num_digits=cfg.task.num_digits,
-                        ops=tuple(cfg.task.ops), eval_size=cfg.task.eval_size, seed=cfg.seed,
-                        max_prompt_length=cfg.data.max_prompt_length or None,
-                        max_response_length=cfg.data.max_response_length or None)
-  return tok, task, rewards.get_reward(cfg.task.reward), model_config(cfg, len(tok))
+    """Tokenizer, task, reward function and model config of a run."""
+    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer)
+    task = data.make_task(
+        cfg.task.name,
+        tok,
+        num_digits=cfg.task.num_digits,
+        ops=tuple(cfg.task.ops),
+        eval_size=cfg.task.eval_size,
+        seed=cfg.seed,
+        max_prompt_length=cfg.data.max_prompt_length or None,
+        max_response_length=cfg.data.max_response_length or None,
+    )
+    return tok, task, rewards.get_reward(cfg.task.reward), model_config(cfg, len(tok))
 
 
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
-  """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
-  of train problems reaches `warmup.target_accuracy` (checked every `warmup.check_every` steps) or
-  `warmup.sft_steps` steps are done. Stopping at an accuracy, not a step count, leaves RL a policy
-  that is partly right whatever the seed or machine. Returns (params, steps, accuracy)."""
-  tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
-  sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
-  opt_state = tx.init(params)
-  probe = task.train_batch(0, 256, stream=2)  # fixed train problems for the stopping test
-  accuracy, steps = float(accuracy_fn(params, probe)["val/accuracy"]), 0
-  while steps < cfg.warmup.sft_steps and accuracy < cfg.warmup.target_accuracy:
-    batch = task.train_batch(steps, cfg.warmup.sft_batch_size, stream=1)  # not the RL steps' data
-    params, opt_state, _ = sft_step(params, opt_state, batch)
-    steps += 1
-    if steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
-      accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
-  return params, steps, accuracy
+    """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
+    of train problems reaches `warmup.target_accuracy` (checked every `warmup.check_every` steps) or
+    `warmup.sft_steps` steps are done. Stopping at an accuracy, not a step count, leaves RL a policy
+    that is partly right whatever the seed or machine. Returns (params, steps, accuracy)."""
+    tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
+    sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
+    opt_state = tx.init(params)
+    probe = task.train_batch(0, 256, stream=2)  # fixed train problems for the stopping test
+    accuracy, steps = float(accuracy_fn(params, probe)["val/accuracy"]), 0
+    while steps < cfg.warmup.sft_steps and accuracy < cfg.warmup.target_accuracy:
+        batch = task.train_batch(
+            steps, cfg.warmup.sft_batch_size, stream=1
+        )  # not the RL steps' data
+        params, opt_state, _ = sft_step(params, opt_state, batch)
+        steps += 1
+        if steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
+            accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
+    return params, steps, accuracy
 
 
 def run(cfg, workdir: str) -> dict:
-  """Trains; returns the last step's metrics (with the final eval)."""
-  config_lib.validate(cfg)
-  tok, task, reward_fn, model_cfg = build(cfg)
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(cfg.to_json_best_effort(indent=2))
+    """Trains; returns the last step's metrics (with the final eval)."""
+    config_lib.validate(cfg)
+    tok, task, reward_fn, model_cfg = build(cfg)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json_best_effort(indent=2))
 
-  ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-             max_new_tokens=task.max_response_length)
-  eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
-  key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-  params = transformer.init_params(model_cfg, key_init)
-  t0 = time.perf_counter()
-  if cfg.warmup.sft_steps:
-    params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
-    logging.info("warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f", steps,
-                 time.perf_counter() - t0, acc)
-  state = step_lib.init_state(cfg, model_cfg, params, key_state)
-  step_fn = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
-  eval_batch = task.eval_batch()
-  evaluate = lambda params: to_python(eval_fn(params, eval_batch))
+    ids = dict(
+        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=task.max_response_length
+    )
+    eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    params = transformer.init_params(model_cfg, key_init)
+    t0 = time.perf_counter()
+    if cfg.warmup.sft_steps:
+        params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
+        logging.info(
+            "warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f",
+            steps,
+            time.perf_counter() - t0,
+            acc,
+        )
+    state = step_lib.init_state(cfg, model_cfg, params, key_state)
+    step_fn = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
+    eval_batch = task.eval_batch()
+    evaluate = lambda params: to_python(eval_fn(params, eval_batch))
 
-  writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-  bar = ProgressBar(cfg.total_steps, enabled=jax.process_index() == 0)
-  first = evaluate(state.params)
-  writer.write(0, first)
-  bar.write(f"step 0: val/accuracy {first['val/accuracy']:.3f}")
-  metrics = first
-  for i in range(cfg.total_steps):
-    batch = task.train_batch(i, cfg.data.train_batch_size)
-    t = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    metrics = to_python(jax.device_get(metrics))
-    elapsed = time.perf_counter() - t
-    metrics["timing_s/step"] = elapsed
-    metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
-    done = i + 1
-    if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-      metrics.update(evaluate(state.params))
-      bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
-    writer.write(done, metrics)
-    bar.update(metrics)
-  bar.close()
-  writer.close()
-  metrics["val/accuracy_first"] = first["val/accuracy"]
-  return metrics
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    bar = ProgressBar(cfg.total_steps, enabled=jax.process_index() == 0)
+    first = evaluate(state.params)
+    writer.write(0, first)
+    bar.write(f"step 0: val/accuracy {first['val/accuracy']:.3f}")
+    metrics = first
+    for i in range(cfg.total_steps):
+        batch = task.train_batch(i, cfg.data.train_batch_size)
+        t = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        metrics = to_python(jax.device_get(metrics))
+        elapsed = time.perf_counter() - t
+        metrics["timing_s/step"] = elapsed
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
+        done = i + 1
+        if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+            metrics.update(evaluate(state.params))
+            bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
+        writer.write(done, metrics)
+        bar.update(metrics)
+    bar.close()
+    writer.close()
+    metrics["val/accuracy_first"] = first["val/accuracy"]
+    return metrics
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  cfg = _CONFIG.value
-  if cfg is None:
-    sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
-  workdir = _WORKDIR.value or os.path.join(
-      "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0],
-      time.strftime("%Y%m%d-%H%M%S"))
-  try:
-    config_lib.validate(cfg)
-  except config_lib.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  final = run(cfg, workdir)
-  print(json.dumps({"workdir": workdir, "val/accuracy_first": final["val/accuracy_first"],
-                    "val/accuracy": final["val/accuracy"]}))
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cfg = _CONFIG.value
+    if cfg is None:
+        sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
+    workdir = _WORKDIR.value or os.path.join(
+        "runs",
+        os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[
+            0
+        ],
+        time.strftime("%Y%m%d-%H%M%S"),
+    )
+    try:
+        config_lib.validate(cfg)
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    final = run(cfg, workdir)
+    print(
+        json.dumps(
+            {
+                "workdir": workdir,
+                "val/accuracy_first": final["val/accuracy_first"],
+                "val/accuracy": final["val/accuracy"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

@@ -3,6 +3,7 @@
 Expected numbers are written out by hand or computed here with small numpy loops written from the
 formulas in ALGORITHMS.md / the docstrings, never by calling the code under test.
 """
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -25,14 +26,21 @@ def algo_cfg(**kw):
 
 
 def actor_cfg(**kw):
-    base = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
-                loss_scale_factor=None)
+    base = dict(
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=None,
+        clip_ratio_c=3.0,
+        loss_scale_factor=None,
+    )
     base.update(kw)
     return ml_collections.ConfigDict(base)
 
 
 def close(actual, expected, atol=ATOL):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected, np.float64), rtol=0, atol=atol)
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected, np.float64), rtol=0, atol=atol
+    )
 
 
 def last_token_rewards(scores, mask):
@@ -81,8 +89,13 @@ def test_masked_var_small_n_is_zero_not_nan_under_jit():
 def test_worked_vector_1_gae():
     values = jnp.array([[0.3, 0.4, 0.5, 0.7, 0.8]])
     rewards = jnp.array([[0.0, 0.0, 0.0, 0.0, 1.0]])
-    adv, ret = adv_lib.compute("gae", token_level_rewards=rewards, response_mask=jnp.ones((1, 5)),
-                               values=values, config=algo_cfg())
+    adv, ret = adv_lib.compute(
+        "gae",
+        token_level_rewards=rewards,
+        response_mask=jnp.ones((1, 5)),
+        values=values,
+        config=algo_cfg(),
+    )
     close(ret, [[1, 1, 1, 1, 1]])
     close(ret - values, [[0.7, 0.6, 0.5, 0.3, 0.2]])
     close(adv, [[1.1574, 0.6751, 0.1929, -0.7716, -1.2538]], atol=1e-4)
@@ -98,8 +111,13 @@ def test_worked_vector_2_kl_in_reward_then_gae():
     close(metrics["actor/reward_kl_penalty"], (0.1 + 0.05 - 0.05 + 0.1 + 0.2 + 0.05) / 6)
     close(metrics["actor/reward_kl_penalty_coeff"], 0.1)
     values = jnp.array([[0.20, 0.25, 0.30, 0.35, 0.45, 0.60]])
-    _, ret = adv_lib.compute("gae", token_level_rewards=rewards, response_mask=mask, values=values,
-                             config=algo_cfg(gamma=1.0, lam=0.95))
+    _, ret = adv_lib.compute(
+        "gae",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        values=values,
+        config=algo_cfg(gamma=1.0, lam=0.95),
+    )
     close(ret - values, [[0.6211, 0.6117, 0.5965, 0.5700, 0.5052, 0.3950]], atol=1e-4)
     close(ret, [[0.8211, 0.8617, 0.8965, 0.9200, 0.9552, 0.9950]], atol=1e-4)
 
@@ -107,8 +125,13 @@ def test_worked_vector_2_kl_in_reward_then_gae():
 def test_worked_vector_3_grpo_two_prompts():
     mask = np.array([[1, 1, 0, 0]] * 3 + [[1, 1, 1, 0]] * 3, np.float32)
     rewards = last_token_rewards([1, 0, 1, 1, 0, 1], mask)
-    adv, ret = adv_lib.compute("grpo", token_level_rewards=rewards, response_mask=mask,
-                               index=jnp.array([0, 0, 0, 1, 1, 1]), config=algo_cfg())
+    adv, ret = adv_lib.compute(
+        "grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=jnp.array([0, 0, 0, 1, 1, 1]),
+        config=algo_cfg(),
+    )
     per_row = np.array([0.5773, -1.1547, 0.5773, 0.5773, -1.1547, 0.5773])
     close(adv, per_row[:, None] * mask, atol=1e-4)
     close(ret, adv)
@@ -117,8 +140,13 @@ def test_worked_vector_3_grpo_two_prompts():
 def test_worked_vector_4_grpo_unbiased_std():
     mask = np.ones((5, 3), np.float32)
     rewards = last_token_rewards([1, 0, 1, 0, 1], mask)
-    adv, _ = adv_lib.compute("grpo", token_level_rewards=rewards, response_mask=mask,
-                             index=jnp.zeros(5, jnp.int32), config=algo_cfg())
+    adv, _ = adv_lib.compute(
+        "grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=jnp.zeros(5, jnp.int32),
+        config=algo_cfg(),
+    )
     close(adv[:, 0], [0.7303, -1.0954, 0.7303, -1.0954, 0.7303], atol=1e-4)
 
 
@@ -143,8 +171,9 @@ def test_gae_with_holes_and_discount():
     m = np.array([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]], np.float32)
     r = (rng.normal(size=m.shape) * m).astype(np.float32)
     v = rng.normal(size=m.shape).astype(np.float32)
-    adv, ret = adv_lib.compute("gae", token_level_rewards=r, response_mask=m, values=v,
-                               config=algo_cfg(gamma=0.9, lam=0.8))
+    adv, ret = adv_lib.compute(
+        "gae", token_level_rewards=r, response_mask=m, values=v, config=algo_cfg(gamma=0.9, lam=0.8)
+    )
     raw = np_gae(r, v, m, 0.9, 0.8)
     close(ret, (raw + v) * m)
     close(adv, np_whiten(raw, m) * m)
@@ -154,12 +183,20 @@ def test_grpo_dr_grpo_and_singleton_group():
     mask = np.ones((4, 2), np.float32)
     rewards = last_token_rewards([2.0, 0.0, 1.0, 0.5], mask)
     index = jnp.array([0, 0, 0, 3])  # group 3 has one sample
-    adv, _ = adv_lib.compute("grpo", token_level_rewards=rewards, response_mask=mask, index=index,
-                             config=algo_cfg(norm_adv_by_std_in_grpo=False))
+    adv, _ = adv_lib.compute(
+        "grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        config=algo_cfg(norm_adv_by_std_in_grpo=False),
+    )
     close(adv[:, 0], [1.0, -1.0, 0.0, 0.5])  # s - mean; singleton: mean 0
-    adv, _ = adv_lib.compute("grpo", token_level_rewards=rewards, response_mask=mask, index=index,
-                             config=algo_cfg())
-    close(adv[:, 0], [1.0 / (1 + 1e-6), -1.0 / (1 + 1e-6), 0.0, 0.5 / (1 + 1e-6)])  # std of [2,0,1] = 1
+    adv, _ = adv_lib.compute(
+        "grpo", token_level_rewards=rewards, response_mask=mask, index=index, config=algo_cfg()
+    )
+    close(
+        adv[:, 0], [1.0 / (1 + 1e-6), -1.0 / (1 + 1e-6), 0.0, 0.5 / (1 + 1e-6)]
+    )  # std of [2,0,1] = 1
 
 
 def test_grpo_passk():
@@ -167,21 +204,36 @@ def test_grpo_passk():
     scores = [0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 0.3]
     index = jnp.array([0, 0, 0, 1, 1, 1, 2])  # group 1 ties at the top; group 2 is a singleton
     rewards = last_token_rewards(scores, mask)
-    adv, ret = adv_lib.compute("grpo_passk", token_level_rewards=rewards, response_mask=mask, index=index,
-                               config=algo_cfg())
+    adv, ret = adv_lib.compute(
+        "grpo_passk",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        config=algo_cfg(),
+    )
     std0 = np.std([0.2, 0.9, 0.5], ddof=1)
     close(adv[:, 0], [0, 0.4 / (std0 + 1e-6), 0, 0, 0, 0, 0])
     close(ret, adv)
-    adv, _ = adv_lib.compute("grpo_passk", token_level_rewards=rewards, response_mask=mask, index=index,
-                             config=algo_cfg(norm_adv_by_std_in_grpo=False))
+    adv, _ = adv_lib.compute(
+        "grpo_passk",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        config=algo_cfg(norm_adv_by_std_in_grpo=False),
+    )
     close(adv[:, 1], [0, 0.4, 0, 0, 0, 0, 0])
 
 
 def test_rloo():
     mask = np.array([[1, 1, 0]] * 3 + [[1, 0, 0]], np.float32)
     rewards = last_token_rewards([1.0, 0.0, 1.0, 0.7], mask)
-    adv, ret = adv_lib.compute("rloo", token_level_rewards=rewards, response_mask=mask,
-                               index=jnp.array([1, 1, 1, 0]), config=algo_cfg())
+    adv, ret = adv_lib.compute(
+        "rloo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=jnp.array([1, 1, 1, 0]),
+        config=algo_cfg(),
+    )
     # leave-one-out: 1 - (0+1)/2, 0 - (1+1)/2, ...; a group of one keeps its score
     close(adv, np.array([0.5, -1.0, 0.5, 0.7])[:, None] * mask)
     close(ret, adv)
@@ -197,8 +249,9 @@ def test_reinforce_plus_plus():
         for t in reversed(range(4)):
             expected_ret[b, t] = r[b, t] + gamma * carry
             carry = expected_ret[b, t] if m[b, t] else 0.0
-    adv, ret = adv_lib.compute("reinforce_plus_plus", token_level_rewards=r, response_mask=m,
-                               config=algo_cfg(gamma=gamma))
+    adv, ret = adv_lib.compute(
+        "reinforce_plus_plus", token_level_rewards=r, response_mask=m, config=algo_cfg(gamma=gamma)
+    )
     close(ret, expected_ret * m)
     close(adv, np_whiten(expected_ret, m) * m)
     close(ret[1, 0], 0.2)  # the hole at t=1 cuts the return
@@ -208,9 +261,16 @@ def test_reinforce_plus_plus_baseline():
     m = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], np.float32)
     s = np.array([1.0, 0.0, 3.0, 2.0])
     index = jnp.array([0, 0, 2, 3])
-    centered = s - np.array([0.5, 0.5, 0.0, 0.0])  # group {0, 1} has mean 0.5; singletons use mean 0
-    adv, ret = adv_lib.compute("reinforce_plus_plus_baseline", token_level_rewards=last_token_rewards(s, m),
-                               response_mask=m, index=index, config=algo_cfg())
+    centered = s - np.array(
+        [0.5, 0.5, 0.0, 0.0]
+    )  # group {0, 1} has mean 0.5; singletons use mean 0
+    adv, ret = adv_lib.compute(
+        "reinforce_plus_plus_baseline",
+        token_level_rewards=last_token_rewards(s, m),
+        response_mask=m,
+        index=index,
+        config=algo_cfg(),
+    )
     close(adv, np_whiten(centered[:, None] * m, m) * m)
     close(ret, adv)
 
@@ -218,16 +278,26 @@ def test_reinforce_plus_plus_baseline():
 def test_remax():
     m = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
     r = np.array([[0, 1, 0, 0], [0.5, 2, 0, 0]], np.float32)
-    adv, ret = adv_lib.compute("remax", token_level_rewards=r, response_mask=m,
-                               reward_baselines=jnp.array([0.4, 1.0]), config=algo_cfg())
+    adv, ret = adv_lib.compute(
+        "remax",
+        token_level_rewards=r,
+        response_mask=m,
+        reward_baselines=jnp.array([0.4, 1.0]),
+        config=algo_cfg(),
+    )
     close(ret, [[1, 1, 0, 0], [2.5, 2, 0, 0]])
     close(adv, [[0.6, 0.6, -0.4, 0], [1.5, 1.0, 0, 0]])
 
 
 def test_opo():
     m = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
-    adv, _ = adv_lib.compute("opo", token_level_rewards=last_token_rewards([1.0, 0.0, 0.6], m), response_mask=m,
-                             index=jnp.array([0, 0, 2]), config=algo_cfg())
+    adv, _ = adv_lib.compute(
+        "opo",
+        token_level_rewards=last_token_rewards([1.0, 0.0, 0.6], m),
+        response_mask=m,
+        index=jnp.array([0, 0, 2]),
+        config=algo_cfg(),
+    )
     baseline = (2 * 1.0 + 4 * 0.0) / 6  # length-weighted mean of the group
     close(adv, np.array([1 - baseline, -baseline, 0.6])[:, None] * m)
 
@@ -237,16 +307,32 @@ def test_gpg():
     rewards = last_token_rewards([1.0, 0.0, 0.0, 2.0], m)
     index = jnp.array([0, 0, 1, 1])
     # alpha = B / #nonzero = 4 / 2; group means 0.5 and 1.0
-    adv, _ = adv_lib.compute("gpg", token_level_rewards=rewards, response_mask=m, index=index, config=algo_cfg())
+    adv, _ = adv_lib.compute(
+        "gpg", token_level_rewards=rewards, response_mask=m, index=index, config=algo_cfg()
+    )
     close(adv[:, 0], [1.0, -1.0, -2.0, 2.0])
-    adv, _ = adv_lib.compute("gpg", token_level_rewards=rewards, response_mask=m, index=index,
-                             config=algo_cfg(f_norm=2.0))
+    adv, _ = adv_lib.compute(
+        "gpg",
+        token_level_rewards=rewards,
+        response_mask=m,
+        index=index,
+        config=algo_cfg(f_norm=2.0),
+    )
     close(adv[:, 1], [0.5, -0.5, -1.0, 1.0])
 
 
 def test_registry_has_every_estimator():
-    assert set(adv_lib.names()) >= {"gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
-                                    "reinforce_plus_plus_baseline", "remax", "opo", "gpg"}
+    assert set(adv_lib.names()) >= {
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "opo",
+        "gpg",
+    }
     assert adv_lib.names() == sorted(adv_lib.names())
 
 
@@ -261,26 +347,48 @@ V_MASK = np.array([[1, 1, 0], [1, 1, 0]], np.float32)
 
 
 def run_loss(name, old, new, adv, mask, mode="token-mean", key=None, **cfg):
-    return loss_lib.policy_loss(name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
-                                loss_agg_mode=mode, config=actor_cfg(**cfg), key=key)
+    return loss_lib.policy_loss(
+        name,
+        old_log_prob=old,
+        log_prob=new,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        config=actor_cfg(**cfg),
+        key=key,
+    )
 
 
 def test_vanilla_asymmetric_and_dual_clip():
     new = V_OLD + V_LOG_RATIO
-    loss, metrics = run_loss("vanilla", V_OLD, new, V_ADV, V_MASK, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics = run_loss(
+        "vanilla", V_OLD, new, V_ADV, V_MASK, clip_ratio_low=0.2, clip_ratio_high=0.28
+    )
     # token losses: -1.28 (clip at 1.28), 0.8 (clip at 0.8), 3 (dual clip), -2
     close(loss, (-1.28 + 0.8 + 3.0 - 2.0) / 4)
     close(metrics["actor/pg_clipfrac"], 2 / 4)
     close(metrics["actor/pg_clipfrac_lower"], 1 / 4)
     close(metrics["actor/ppo_kl"], -(0.5 - 0.5 + 1.5 + 0.0) / 4)
-    loss, _ = run_loss("vanilla", V_OLD, new, V_ADV, V_MASK, "seq-mean-token-sum", clip_ratio_low=0.2,
-                       clip_ratio_high=0.28)
+    loss, _ = run_loss(
+        "vanilla",
+        V_OLD,
+        new,
+        V_ADV,
+        V_MASK,
+        "seq-mean-token-sum",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    )
     close(loss, ((-1.28 + 0.8) + (3.0 - 2.0)) / 2)
 
 
 def test_vanilla_gradient_only_through_unclipped_tokens():
-    grad = jax.grad(lambda lp: run_loss("vanilla", V_OLD, lp, V_ADV, V_MASK)[0])(jnp.asarray(V_OLD + V_LOG_RATIO))
-    close(grad, [[0, 0, 0], [0, -2.0 / 4, 0]])  # d(-A ratio)/dlogp = -A ratio = -2, token-mean over 4
+    grad = jax.grad(lambda lp: run_loss("vanilla", V_OLD, lp, V_ADV, V_MASK)[0])(
+        jnp.asarray(V_OLD + V_LOG_RATIO)
+    )
+    close(
+        grad, [[0, 0, 0], [0, -2.0 / 4, 0]]
+    )  # d(-A ratio)/dlogp = -A ratio = -2, token-mean over 4
 
 
 def random_case(seed, shape=(3, 5), scale=0.3):
@@ -331,8 +439,9 @@ def test_geo_mean():
     k = sgn * np.minimum(sgn * lr, sgn * c)
     n = m.sum(1)
     expected = np.mean(-((adv * m).sum(1) / n) * np.exp((k * m).sum(1) / n))
-    loss, metrics = run_loss("geo_mean", old, new, adv, m, "seq-mean-token-sum", clip_ratio_low=low,
-                             clip_ratio_high=high)
+    loss, metrics = run_loss(
+        "geo_mean", old, new, adv, m, "seq-mean-token-sum", clip_ratio_low=low, clip_ratio_high=high
+    )
     close(loss, expected)
     clipped = lr != c
     assert clipped[m > 0].any()
@@ -419,14 +528,18 @@ def test_clip_cov_deterministic_without_key():
     # the case exercises every exclusion rule: above ub, below lb, already clipped by PPO
     in_band = (m > 0) & (cov > lb) & (cov < ub)
     assert candidate.sum() >= 4 and ((cov >= ub) & (m > 0)).any() and ((cov <= lb) & (m > 0)).any()
-    assert (in_band & ~candidate).any() and cov[in_band & ~candidate].max() > np.sort(cov[candidate])[-2]
+    assert (in_band & ~candidate).any() and cov[in_band & ~candidate].max() > np.sort(
+        cov[candidate]
+    )[-2]
     n_clip = int(0.1 * m.sum())  # 22 valid tokens -> 2
     assert n_clip == 2
     top = np.argsort(-np.where(candidate, cov, -np.inf), axis=None, kind="stable")[:n_clip]
     detached = np.zeros(m.size, bool)
     detached[top] = True
     detached = detached.reshape(m.shape)
-    loss, metrics = run_loss("clip_cov", old, new, adv, m, clip_cov_ratio=0.1, clip_cov_lb=lb, clip_cov_ub=ub)
+    loss, metrics = run_loss(
+        "clip_cov", old, new, adv, m, clip_cov_ratio=0.1, clip_cov_lb=lb, clip_cov_ub=ub
+    )
     close(loss, (token_loss * m * ~detached).sum() / m.sum())
     close(metrics["actor/pg_clipfrac"], n_clip / m.sum())
 
@@ -439,8 +552,17 @@ def test_clip_cov_random_with_key_detaches_n_clip_candidates():
     possible = [(total - token_loss[i]) / m.sum() for i in zip(*np.nonzero(candidate))]
     seen = set()
     for seed in range(6):
-        loss, metrics = run_loss("clip_cov", old, new, adv, m, key=jax.random.PRNGKey(seed), clip_cov_ratio=0.01,
-                                 clip_cov_lb=-0.2, clip_cov_ub=0.9)
+        loss, metrics = run_loss(
+            "clip_cov",
+            old,
+            new,
+            adv,
+            m,
+            key=jax.random.PRNGKey(seed),
+            clip_cov_ratio=0.01,
+            clip_cov_lb=-0.2,
+            clip_cov_ub=0.9,
+        )
         dist = np.abs(np.array(possible) - float(loss))
         assert dist.min() < ATOL
         seen.add(int(dist.argmin()))
@@ -457,7 +579,9 @@ def test_kl_cov():
     top = np.argsort(-np.where(valid, cov, -np.inf), axis=None, kind="stable")[:k]
     token_loss = -adv * np.exp(lr)
     token_loss.reshape(-1)[top] += 0.5 * np.abs(lr).reshape(-1)[top]
-    loss, metrics = run_loss("kl_cov", old, new, adv, m, "seq-mean-token-sum", kl_cov_ratio=0.2, ppo_kl_coef=0.5)
+    loss, metrics = run_loss(
+        "kl_cov", old, new, adv, m, "seq-mean-token-sum", kl_cov_ratio=0.2, ppo_kl_coef=0.5
+    )
     close(loss, (token_loss * m).sum(1).mean())
     close(metrics["actor/ppo_kl"], (np.abs(lr) * m).sum() / m.sum())
 
@@ -466,12 +590,22 @@ def test_every_loss_reports_the_same_metric_keys():
     old, new, adv, m = random_case(6)
     for name in loss_lib.policy_loss_names():
         _, metrics = run_loss(name, old, new, adv, m)
-        assert sorted(metrics) == sorted(["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"]), name
+        assert sorted(metrics) == sorted(
+            ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"]
+        ), name
 
 
 def test_policy_loss_registry():
-    assert set(loss_lib.policy_loss_names()) >= {"vanilla", "gspo", "geo_mean", "sapo", "cispo", "gpg",
-                                                 "clip_cov", "kl_cov"}
+    assert set(loss_lib.policy_loss_names()) >= {
+        "vanilla",
+        "gspo",
+        "geo_mean",
+        "sapo",
+        "cispo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+    }
 
 
 # ----------------------------------------------------------------------------- aggregation, value, entropy
@@ -480,18 +614,23 @@ AGG_LOSS = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], np.floa
 AGG_MASK = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], np.float32)
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", (1 + 2 + 4) / 3),
-    ("seq-mean-token-sum", (3 + 4) / 2),  # the all-padding row is not counted
-    ("seq-mean-token-mean", (1.5 + 4) / 2),
-    ("seq-mean-token-sum-norm", (3 + 4) / 3),  # default factor: T = 3
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 4) / 3),
+        ("seq-mean-token-sum", (3 + 4) / 2),  # the all-padding row is not counted
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", (3 + 4) / 3),  # default factor: T = 3
+    ],
+)
 def test_agg_modes(mode, expected):
     close(loss_lib.agg_loss(AGG_LOSS, AGG_MASK, mode), expected)
 
 
 def test_agg_sum_norm_with_scale_factor():
-    close(loss_lib.agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=10), 0.7)
+    close(
+        loss_lib.agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=10), 0.7
+    )
 
 
 def test_agg_empty_mask_is_zero():
@@ -535,8 +674,12 @@ def test_kl_kinds():
         # d = ref - logp clipped to [-20, 20]: exp(d) - d - 1, clipped to [-10, 10]
         "low_var_kl": [np.exp(-0.5) - 0.5, np.e - 2.0, 10.0],
     }
-    for aliases, kind in [(("kl", "k1"), "kl"), (("abs",), "abs"), (("mse", "k2"), "mse"),
-                          (("low_var_kl", "k3"), "low_var_kl")]:
+    for aliases, kind in [
+        (("kl", "k1"), "kl"),
+        (("abs",), "abs"),
+        (("mse", "k2"), "mse"),
+        (("low_var_kl", "k3"), "low_var_kl"),
+    ]:
         for alias in aliases:
             close(kl_lib.kl_penalty(logp, ref, alias), expected[kind], atol=1e-4)
 
@@ -560,7 +703,9 @@ def test_kl_controllers():
     beta = kl_lib.kl_ctrl_init(adaptive)
     close(beta, 0.1)
     close(kl_lib.kl_ctrl_update(beta, 0.11, 100, adaptive), 0.1 * (1 + 0.1 * 100 / 1000))
-    close(kl_lib.kl_ctrl_update(beta, 0.5, 100, adaptive), 0.1 * (1 + 0.2 * 100 / 1000))  # error capped at 0.2
+    close(
+        kl_lib.kl_ctrl_update(beta, 0.5, 100, adaptive), 0.1 * (1 + 0.2 * 100 / 1000)
+    )  # error capped at 0.2
     close(kl_lib.kl_ctrl_update(beta, 0.0, 100, adaptive), 0.1 * (1 - 0.2 * 100 / 1000))
     jitted = jax.jit(lambda b, kl: kl_lib.kl_ctrl_update(b, kl, 64, adaptive))
     close(jitted(beta, jnp.float32(0.09)), 0.1 * (1 - 0.1 * 64 / 1000))
@@ -576,9 +721,13 @@ def test_kl_controllers():
 
 def masked_inputs(seed=7):
     rng = np.random.default_rng(seed)
-    mask = np.array([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.float32)
-    clean = {k: (rng.normal(size=mask.shape) * mask).astype(np.float32)
-             for k in ("rewards", "values", "old", "new", "adv", "ref")}
+    mask = np.array(
+        [[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], np.float32
+    )
+    clean = {
+        k: (rng.normal(size=mask.shape) * mask).astype(np.float32)
+        for k in ("rewards", "values", "old", "new", "adv", "ref")
+    }
     clean["old"] -= 1.0 * mask
     garbage = {}
     junk = np.array([np.nan, np.inf, -np.inf, 1e6, -3e4], np.float32)
@@ -597,14 +746,30 @@ def all_outputs(x, mask):
     out = {}
     cfg = algo_cfg(gamma=0.95, lam=0.9)
     for name in adv_lib.names():
-        out[name] = adv_lib.compute(name, token_level_rewards=x["rewards"], response_mask=mask, index=INDEX,
-                                    values=x["values"], reward_baselines=jnp.array([0.1, 0.2, 0.3, 0.4]),
-                                    config=cfg)
+        out[name] = adv_lib.compute(
+            name,
+            token_level_rewards=x["rewards"],
+            response_mask=mask,
+            index=INDEX,
+            values=x["values"],
+            reward_baselines=jnp.array([0.1, 0.2, 0.3, 0.4]),
+            config=cfg,
+        )
     for name in loss_lib.policy_loss_names():
-        fn = lambda lp, name=name: run_loss(name, x["old"], lp, x["adv"], mask, clip_cov_ratio=0.2,
-                                            clip_cov_lb=-1.0, kl_cov_ratio=0.2)
+        fn = lambda lp, name=name: run_loss(
+            name,
+            x["old"],
+            lp,
+            x["adv"],
+            mask,
+            clip_cov_ratio=0.2,
+            clip_cov_lb=-1.0,
+            kl_cov_ratio=0.2,
+        )
         out["loss/" + name] = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(x["new"]))
-    out["value_loss"] = loss_lib.value_loss(x["new"], x["rewards"], x["values"], mask, 0.2, "seq-mean-token-mean")
+    out["value_loss"] = loss_lib.value_loss(
+        x["new"], x["rewards"], x["values"], mask, 0.2, "seq-mean-token-mean"
+    )
     out["kl_reward"] = kl_lib.apply_kl_penalty(x["rewards"], x["old"], x["ref"], mask, 0.3, "k3")
     return out
 
@@ -614,7 +779,9 @@ def test_garbage_in_masked_positions_changes_nothing():
     expected, actual = all_outputs(clean, mask), all_outputs(garbage, mask)
     for key in expected:
         chex.assert_trees_all_close(actual[key], expected[key], atol=1e-6)
-        assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(actual[key])), key
+        assert all(
+            np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(actual[key])
+        ), key
     for name in adv_lib.names():  # advantages and returns are exactly 0 off the mask
         for arr in expected[name]:
             assert not np.asarray(arr)[mask == 0].any(), name
@@ -626,12 +793,25 @@ def test_garbage_in_masked_positions_changes_nothing():
 def test_unknown_names_raise_and_list_valid_names():
     x = jnp.zeros((2, 3))
     cases = [  # (call, the bad name, the names the message must list)
-        (lambda: adv_lib.compute("nope", token_level_rewards=x, response_mask=x, config=algo_cfg()), "nope",
-         adv_lib.names()),
+        (
+            lambda: adv_lib.compute(
+                "nope", token_level_rewards=x, response_mask=x, config=algo_cfg()
+            ),
+            "nope",
+            adv_lib.names(),
+        ),
         (lambda: run_loss("nope", x, x, x, x), "nope", loss_lib.policy_loss_names()),
-        (lambda: run_loss("vanilla", x, x, x, x, mode="seq-sum"), "seq-sum", loss_lib.loss_agg_modes()),
+        (
+            lambda: run_loss("vanilla", x, x, x, x, mode="seq-sum"),
+            "seq-sum",
+            loss_lib.loss_agg_modes(),
+        ),
         (lambda: loss_lib.agg_loss(x, x, "token_mean"), "token_mean", loss_lib.loss_agg_modes()),
-        (lambda: kl_lib.kl_penalty(x, x, "k4"), "k4", ["abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse"]),
+        (
+            lambda: kl_lib.kl_penalty(x, x, "k4"),
+            "k4",
+            ["abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse"],
+        ),
         (lambda: kl_lib.kl_ctrl_init(kl_algo_cfg(type="pid")), "pid", ["adaptive", "fixed"]),
     ]
     for call, bad, valid in cases:

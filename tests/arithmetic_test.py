@@ -1,4 +1,5 @@
 """Tests for the built-in arithmetic task (jrl.data) and its exact-match reward (jrl.rewards)."""
+
 import re
 
 import jax
@@ -51,8 +52,13 @@ def test_layout_and_dtypes(tok):
     task = ArithmeticTask(tok, num_digits=2, eval_size=16)
     assert (task.prompt_length, task.answer_length, task.max_response_length) == (7, 4, 4)
     batch = task.train_batch(0, 64)
-    shapes = dict(input_ids=(64, 7), attention_mask=(64, 7), answer_ids=(64, 4),
-                  answer_mask=(64, 4), answer_len=(64,))
+    shapes = dict(
+        input_ids=(64, 7),
+        attention_mask=(64, 7),
+        answer_ids=(64, 4),
+        answer_mask=(64, 4),
+        answer_len=(64,),
+    )
     assert {k: v.shape for k, v in batch.items()} == shapes
     assert all(v.dtype == np.int32 for v in batch.values())
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -63,7 +69,7 @@ def test_layout_and_dtypes(tok):
         assert (row[: 7 - k] == 0).all() and row[7 - k] == tok.bos_token_id
         assert row[-1] == tok.convert_tokens_to_ids("=")
     for row, m, k in zip(batch["answer_ids"], batch["answer_mask"], batch["answer_len"]):
-        assert row[k] == EOS and (row[k + 1:] == 0).all() and (row[:k] > 3).all()
+        assert row[k] == EOS and (row[k + 1 :] == 0).all() and (row[:k] > 3).all()
         np.testing.assert_array_equal(m, np.arange(4) <= k)
 
 
@@ -135,8 +141,13 @@ def test_make_task(tok):
 
 
 def _check(response, mask, answer, answer_len, expected):
-    scores = exact_match(jnp.asarray(response, jnp.int32), jnp.asarray(mask, jnp.int32),
-                jnp.asarray(answer, jnp.int32), jnp.asarray(answer_len, jnp.int32), eos_id=EOS)
+    scores = exact_match(
+        jnp.asarray(response, jnp.int32),
+        jnp.asarray(mask, jnp.int32),
+        jnp.asarray(answer, jnp.int32),
+        jnp.asarray(answer_len, jnp.int32),
+        eos_id=EOS,
+    )
     assert scores.dtype == jnp.float32 and scores.shape == (len(expected),)
     np.testing.assert_array_equal(np.asarray(scores), expected)
 
@@ -145,16 +156,19 @@ def _check(response, mask, answer, answer_len, expected):
 ANSWER = [[12, 9, EOS, 0, 0]]
 
 
-@pytest.mark.parametrize("response,mask,expected", [
-    ([12, 9, EOS, 0, 0], [1, 1, 1, 0, 0], 1.0),   # exact answer + eos
-    ([12, 9, EOS, 7, EOS], [1, 1, 1, 0, 0], 1.0),  # garbage after eos is ignored
-    ([12, 9, 4, EOS, 0], [1, 1, 1, 1, 0], 0.0),   # extra digit
-    ([12, 8, EOS, 0, 0], [1, 1, 1, 0, 0], 0.0),   # wrong digit
-    ([12, 9, 9, 9, 9], [1, 1, 1, 1, 1], 0.0),     # right digits, never eos
-    ([12, 9, 7, 7, 7], [1, 1, 1, 1, 1], 0.0),     # right digits, then no eos
-    ([12, 9, EOS, 0, 0], [1, 1, 0, 0, 0], 0.0),   # eos outside the response mask
-    ([12, EOS, 0, 0, 0], [1, 1, 0, 0, 0], 0.0),   # stops early
-])
+@pytest.mark.parametrize(
+    "response,mask,expected",
+    [
+        ([12, 9, EOS, 0, 0], [1, 1, 1, 0, 0], 1.0),  # exact answer + eos
+        ([12, 9, EOS, 7, EOS], [1, 1, 1, 0, 0], 1.0),  # garbage after eos is ignored
+        ([12, 9, 4, EOS, 0], [1, 1, 1, 1, 0], 0.0),  # extra digit
+        ([12, 8, EOS, 0, 0], [1, 1, 1, 0, 0], 0.0),  # wrong digit
+        ([12, 9, 9, 9, 9], [1, 1, 1, 1, 1], 0.0),  # right digits, never eos
+        ([12, 9, 7, 7, 7], [1, 1, 1, 1, 1], 0.0),  # right digits, then no eos
+        ([12, 9, EOS, 0, 0], [1, 1, 0, 0, 0], 0.0),  # eos outside the response mask
+        ([12, EOS, 0, 0, 0], [1, 1, 0, 0, 0], 0.0),  # stops early
+    ],
+)
 def test_exact_match_cases(response, mask, expected):
     _check([response], [mask], ANSWER, [2], [expected])
 

@@ -9,8 +9,9 @@ from jrl import rollout
 from jrl.models import transformer as tfm
 from jrl.step import response_logprobs
 
-CFG = tfm.ModelConfig(vocab_size=11, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=48)
+CFG = tfm.ModelConfig(
+    vocab_size=11, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48
+)
 EOS, PAD, R = 2, 0, 6
 PROMPTS = np.array([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4], [0, 1, 3, 3, 3]], np.int32)
 PMASK = (np.arange(5)[None] >= np.array([[2], [0], [1]])).astype(np.int32)
@@ -18,68 +19,88 @@ PMASK = (np.arange(5)[None] >= np.array([[2], [0], [1]])).astype(np.int32)
 
 @pytest.fixture(scope="module")
 def params():
-  # A small random model: close to uniform over 11 tokens, so EOS comes up often enough.
-  return tfm.init_params(CFG, jax.random.key(1))
+    # A small random model: close to uniform over 11 tokens, so EOS comes up often enough.
+    return tfm.init_params(CFG, jax.random.key(1))
 
 
 @pytest.fixture(scope="module")
 def gen(params):
-  def run(key, greedy=False, temperature=1.0, top_k=0, top_p=1.0):
-    return rollout.generate(CFG, params, jnp.asarray(PROMPTS), jnp.asarray(PMASK), key,
-                            max_new_tokens=R, eos_id=EOS, pad_id=PAD, temperature=temperature,
-                            top_k=top_k, top_p=top_p, greedy=greedy)
-  return jax.jit(run, static_argnames=("greedy", "temperature", "top_k", "top_p"))
+    def run(key, greedy=False, temperature=1.0, top_k=0, top_p=1.0):
+        return rollout.generate(
+            CFG,
+            params,
+            jnp.asarray(PROMPTS),
+            jnp.asarray(PMASK),
+            key,
+            max_new_tokens=R,
+            eos_id=EOS,
+            pad_id=PAD,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            greedy=greedy,
+        )
+
+    return jax.jit(run, static_argnames=("greedy", "temperature", "top_k", "top_p"))
 
 
 def test_greedy_is_deterministic_and_matches_argmax_of_full_forward(gen, params):
-  a = gen(jax.random.key(0), greedy=True)
-  b = gen(jax.random.key(123), greedy=True)
-  np.testing.assert_array_equal(a.response_ids, b.response_ids)
-  ids = np.concatenate([PROMPTS, np.asarray(a.response_ids)], 1)
-  mask = np.concatenate([PMASK, np.asarray(a.response_mask)], 1)
-  logits = tfm.forward(CFG, params, jnp.asarray(ids), jnp.asarray(mask))[:, 4:-1]
-  m = np.asarray(a.response_mask).astype(bool)
-  np.testing.assert_array_equal(np.argmax(logits, -1)[m], np.asarray(a.response_ids)[m])
+    a = gen(jax.random.key(0), greedy=True)
+    b = gen(jax.random.key(123), greedy=True)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    ids = np.concatenate([PROMPTS, np.asarray(a.response_ids)], 1)
+    mask = np.concatenate([PMASK, np.asarray(a.response_mask)], 1)
+    logits = tfm.forward(CFG, params, jnp.asarray(ids), jnp.asarray(mask))[:, 4:-1]
+    m = np.asarray(a.response_mask).astype(bool)
+    np.testing.assert_array_equal(np.argmax(logits, -1)[m], np.asarray(a.response_ids)[m])
 
 
 def test_mask_is_one_through_first_eos_and_zero_after(gen):
-  hits = 0
-  for seed in range(6):
-    out = gen(jax.random.key(seed))
-    ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
-    for row_ids, row_mask in zip(ids, mask):
-      eos = np.flatnonzero(row_ids == EOS)
-      end = eos[0] + 1 if len(eos) else R
-      hits += bool(len(eos)) and end < R
-      np.testing.assert_array_equal(row_mask, np.arange(R) < end)
-      assert np.all(row_ids[end:] == PAD)
-    assert np.all(np.asarray(out.log_probs)[mask == 0] == 0)
-  assert hits > 0  # some row stopped early, so the after-EOS case was exercised
+    hits = 0
+    for seed in range(6):
+        out = gen(jax.random.key(seed))
+        ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
+        for row_ids, row_mask in zip(ids, mask):
+            eos = np.flatnonzero(row_ids == EOS)
+            end = eos[0] + 1 if len(eos) else R
+            hits += bool(len(eos)) and end < R
+            np.testing.assert_array_equal(row_mask, np.arange(R) < end)
+            assert np.all(row_ids[end:] == PAD)
+        assert np.all(np.asarray(out.log_probs)[mask == 0] == 0)
+    assert hits > 0  # some row stopped early, so the after-EOS case was exercised
 
 
 def test_sampled_log_probs_equal_recomputed_ones(gen, params):
-  out = gen(jax.random.key(3), temperature=0.7)
-  logp, _ = response_logprobs(CFG, params, jnp.asarray(PROMPTS), jnp.asarray(PMASK),
-                              out.response_ids, out.response_mask, temperature=0.7)
-  m = np.asarray(out.response_mask).astype(bool)
-  np.testing.assert_allclose(np.asarray(out.log_probs)[m], np.asarray(logp)[m], atol=1e-4)
+    out = gen(jax.random.key(3), temperature=0.7)
+    logp, _ = response_logprobs(
+        CFG,
+        params,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(PMASK),
+        out.response_ids,
+        out.response_mask,
+        temperature=0.7,
+    )
+    m = np.asarray(out.response_mask).astype(bool)
+    np.testing.assert_allclose(np.asarray(out.log_probs)[m], np.asarray(logp)[m], atol=1e-4)
 
 
 def test_filter_logits_support():
-  logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
-  top2 = np.asarray(rollout.filter_logits(logits, top_k=2)) > -1e30
-  np.testing.assert_array_equal(top2[0], [False, True, False, True, False])
-  # Nucleus 0.75: 0.4 + 0.3 = 0.7 < 0.75, so 0.15 is needed too; 0.1 and 0.05 are out.
-  nuc = np.asarray(rollout.filter_logits(logits, top_p=0.75)) > -1e30
-  np.testing.assert_array_equal(nuc[0], [False, True, False, True, True])
-  nuc = np.asarray(rollout.filter_logits(logits, top_p=0.3)) > -1e30
-  np.testing.assert_array_equal(nuc[0], [False, True, False, False, False])
+    logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    top2 = np.asarray(rollout.filter_logits(logits, top_k=2)) > -1e30
+    np.testing.assert_array_equal(top2[0], [False, True, False, True, False])
+    # Nucleus 0.75: 0.4 + 0.3 = 0.7 < 0.75, so 0.15 is needed too; 0.1 and 0.05 are out.
+    nuc = np.asarray(rollout.filter_logits(logits, top_p=0.75)) > -1e30
+    np.testing.assert_array_equal(nuc[0], [False, True, False, True, True])
+    nuc = np.asarray(rollout.filter_logits(logits, top_p=0.3)) > -1e30
+    np.testing.assert_array_equal(nuc[0], [False, True, False, False, False])
 
 
 def test_top_k_and_top_p_never_sample_outside_support():
-  logits = jnp.tile(jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])), (4096, 1))
-  key = jax.random.key(0)
-  for kw, allowed in (({"top_k": 2}, {1, 3}), ({"top_p": 0.75}, {1, 3, 4}), ({}, set(range(5)))):
-    tok, _ = rollout.sample_token(key, logits, temperature=1.0, greedy=False,
-                                  **{"top_k": 0, "top_p": 1.0, **kw})
-    assert set(np.unique(np.asarray(tok)).tolist()) == allowed
+    logits = jnp.tile(jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])), (4096, 1))
+    key = jax.random.key(0)
+    for kw, allowed in (({"top_k": 2}, {1, 3}), ({"top_p": 0.75}, {1, 3, 4}), ({}, set(range(5)))):
+        tok, _ = rollout.sample_token(
+            key, logits, temperature=1.0, greedy=False, **{"top_k": 0, "top_p": 1.0, **kw}
+        )
+        assert set(np.unique(np.asarray(tok)).tolist()) == allowed

@@ -1,11 +1,12 @@
 """Tests for jrl.tokenizer: the character tokenizer and local HF tokenizer loading."""
+
 import json
 
 import pytest
 
 from jrl import tokenizer as tok_lib
 
-ALL_CHARS = "".join(tok_lib.CHAR_VOCAB[len(tok_lib.SPECIAL_TOKENS):])
+ALL_CHARS = "".join(tok_lib.CHAR_VOCAB[len(tok_lib.SPECIAL_TOKENS) :])
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_round_trip_every_char(tok):
     ids = tok.encode(ALL_CHARS)
     assert ids == list(range(4, 88))  # one token per char, in vocabulary order
     assert tok.decode(ids) == ALL_CHARS
-    text = "  What is 37 + 48? It's 85, \"exactly\" (100%)!  "
+    text = '  What is 37 + 48? It\'s 85, "exactly" (100%)!  '
     assert tok.decode(tok.encode(text)) == text
 
 
@@ -42,8 +43,14 @@ def test_no_implicit_special_tokens(tok):
 
 
 def test_unknown_chars_map_to_unk_one_per_char(tok):
-    assert tok.encode("a\n\né~b") == [tok.convert_tokens_to_ids("a"), 3, 3, 3, 3,
-                                       tok.convert_tokens_to_ids("b")]
+    assert tok.encode("a\n\né~b") == [
+        tok.convert_tokens_to_ids("a"),
+        3,
+        3,
+        3,
+        3,
+        tok.convert_tokens_to_ids("b"),
+    ]
 
 
 def test_load_hf_tokenizer_missing_dir(tmp_path):

@@ -16,73 +16,109 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from configs import grpo_math  # noqa: E402
 
-VERL_METRICS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
-                "response_length/mean", "response_length/clip_ratio", "actor/pg_loss",
-                "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-                "actor/grad_norm", "actor/lr", "timing_s/step", "perf/throughput")
+VERL_METRICS = (
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/step",
+    "perf/throughput",
+)
 
 
 def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatch):
-  traces = []
-  make_step = step_lib.make_step
+    traces = []
+    make_step = step_lib.make_step
 
-  def counting_make_step(*args, **kwargs):
-    step = make_step(*args, **kwargs)
+    def counting_make_step(*args, **kwargs):
+        step = make_step(*args, **kwargs)
 
-    def traced(state, batch):
-      traces.append(1)  # runs only while jax traces the function
-      return step(state, batch)
+        def traced(state, batch):
+            traces.append(1)  # runs only while jax traces the function
+            return step(state, batch)
 
-    return traced
+        return traced
 
-  monkeypatch.setattr(step_lib, "make_step", counting_make_step)
-  cfg = grpo_math.get_config("tiny")
-  cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
-  final = train.run(cfg, str(tmp_path))
-  assert len(traces) == 1, f"the fused step was traced {len(traces)} times in 3 steps"
+    monkeypatch.setattr(step_lib, "make_step", counting_make_step)
+    cfg = grpo_math.get_config("tiny")
+    cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
+    final = train.run(cfg, str(tmp_path))
+    assert len(traces) == 1, f"the fused step was traced {len(traces)} times in 3 steps"
 
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert [r["step"] for r in rows] == [0, 1, 2, 3]
-  for r in rows[1:]:
-    for name in VERL_METRICS + ("actor/kl_loss",):
-      assert name in r, name
-      assert math.isfinite(r[name]), (name, r[name])
-  assert "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
-  assert 0.0 <= final["val/accuracy"] <= 1.0
-  assert os.listdir(tmp_path / ".") and any(f.startswith("events.out.tfevents")
-                                           for f in os.listdir(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
+        for name in VERL_METRICS + ("actor/kl_loss",):
+            assert name in r, name
+            assert math.isfinite(r[name]), (name, r[name])
+    assert "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
+    assert 0.0 <= final["val/accuracy"] <= 1.0
+    assert os.listdir(tmp_path / ".") and any(
+        f.startswith("events.out.tfevents") for f in os.listdir(tmp_path)
+    )
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("algorithm.adv_estimator", "grpoo",
-     r"algorithm.adv_estimator='grpoo' is unknown \(did you mean 'grpo'\?\); valid names: .*gae.*rloo"),
-    ("actor.policy_loss", "nope", r"actor.policy_loss='nope' is unknown; valid names: .*vanilla"),
-    ("actor.ppo_mini_batch_size", 5,
-     r"data.train_batch_size=32 is not divisible by actor.ppo_mini_batch_size=5"),
-    ("rollout.n", 1, r"needs rollout.n >= 2 \(got 1\)"),
-    ("actor.clip_ratio_high", 1.5, r"actor.clip_ratio_high=1.5 must be in \(0, 1\)"),
-    ("actor.lr", -1e-3, r"actor.lr=-0.001 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        (
+            "algorithm.adv_estimator",
+            "grpoo",
+            r"algorithm.adv_estimator='grpoo' is unknown \(did you mean 'grpo'\?\); valid names: .*gae.*rloo",
+        ),
+        (
+            "actor.policy_loss",
+            "nope",
+            r"actor.policy_loss='nope' is unknown; valid names: .*vanilla",
+        ),
+        (
+            "actor.ppo_mini_batch_size",
+            5,
+            r"data.train_batch_size=32 is not divisible by actor.ppo_mini_batch_size=5",
+        ),
+        ("rollout.n", 1, r"needs rollout.n >= 2 \(got 1\)"),
+        ("actor.clip_ratio_high", 1.5, r"actor.clip_ratio_high=1.5 must be in \(0, 1\)"),
+        ("actor.lr", -1e-3, r"actor.lr=-0.001 must be >= 0"),
+    ],
+)
 def test_config_errors_name_the_field_and_fix(field, value, message):
-  cfg = grpo_math.get_config()
-  section, name = field.split(".")
-  cfg[section][name] = value
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(cfg)
+    cfg = grpo_math.get_config()
+    section, name = field.split(".")
+    cfg[section][name] = value
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(cfg)
 
 
 def test_cli_bad_config_exits_2_with_one_line_before_compiling(tmp_path):
-  workdir = tmp_path / "w"
-  proc = subprocess.run(
-      [sys.executable, "-m", "jrl.train", "--config=configs/grpo_math.py:tiny",
-       "--config.algorithm.adv_estimator=bogus", f"--workdir={workdir}"],
-      cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 2
-  errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and "algorithm.adv_estimator='bogus' is unknown" in errors[0]
-  assert not workdir.exists()
+    workdir = tmp_path / "w"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jrl.train",
+            "--config=configs/grpo_math.py:tiny",
+            "--config.algorithm.adv_estimator=bogus",
+            f"--workdir={workdir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "algorithm.adv_estimator='bogus' is unknown" in errors[0]
+    assert not workdir.exists()
 
 
 def test_unknown_preset_is_rejected():
-  with pytest.raises(config_lib.ConfigError, match="unknown preset 'big'"):
-    grpo_math.get_config("big")
+    with pytest.raises(config_lib.ConfigError, match="unknown preset 'big'"):
+        grpo_math.get_config("big")

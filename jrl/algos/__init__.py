@@ -12,6 +12,7 @@ or an observation token). All of them are jittable and NaN-safe with respect to 
 values where mask == 0 are selected away with `jnp.where` before any arithmetic, so garbage (even
 inf/NaN) at padded positions never reaches the result or its gradient.
 """
+
 import jax
 import jax.numpy as jnp
 

@@ -23,6 +23,7 @@ Masking rules (applied once, in `compute`):
 Register a new estimator with `@register("name", needs=("index",))`; `group_ppo` is added by its own
 module the same way.
 """
+
 from typing import Callable, Optional, Sequence
 
 import chex
@@ -206,9 +207,13 @@ def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
     batch = scores.shape[0]
     rows = jnp.arange(batch)
     group_max = jax.ops.segment_max(scores, index, num_segments=batch)[index]
-    first_best = jax.ops.segment_min(jnp.where(scores == group_max, rows, batch), index, num_segments=batch)
+    first_best = jax.ops.segment_min(
+        jnp.where(scores == group_max, rows, batch), index, num_segments=batch
+    )
     is_best = rows == first_best[index]
-    runner_up = jax.ops.segment_max(jnp.where(is_best, -jnp.inf, scores), index, num_segments=batch)[index]
+    runner_up = jax.ops.segment_max(
+        jnp.where(is_best, -jnp.inf, scores), index, num_segments=batch
+    )[index]
     n, _, std = _group_moments(scores, index)
     gap = jnp.where(n > 1, group_max - runner_up, 0.0)
     if config.get("norm_adv_by_std_in_grpo", True):

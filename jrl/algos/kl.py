@@ -16,6 +16,7 @@ config)` with `current_kl` from `apply_kl_penalty`'s metrics and n_steps = the b
 as verl does. `config` is the `algorithm` section; it reads `kl_ctrl.type` ('fixed' | 'adaptive',
 default 'fixed'), `kl_ctrl.kl_coef` (0.001), `kl_ctrl.target_kl` (0.1), `kl_ctrl.horizon` (10000).
 """
+
 from typing import Callable
 
 import chex
@@ -70,7 +71,9 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     """
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_equal_shape([token_level_scores, old_log_prob, ref_log_prob, mask])
-    kld = zero_masked(kl_penalty(zero_masked(old_log_prob, mask), zero_masked(ref_log_prob, mask), kind), mask)
+    kld = zero_masked(
+        kl_penalty(zero_masked(old_log_prob, mask), zero_masked(ref_log_prob, mask), kind), mask
+    )
     beta = jnp.asarray(beta, jnp.float32)
     rewards = zero_masked(jnp.asarray(token_level_scores, jnp.float32), mask) - beta * kld
     current_kl = jnp.mean(masked_mean(kld, mask, axis=-1))
@@ -115,4 +118,6 @@ def kl_ctrl_update(beta, current_kl, n_steps, config) -> jax.Array:
     """Next beta after a step that saw `current_kl` over `n_steps` rows (jittable)."""
     ctrl = _kl_ctrl_section(config)
     update = KL_CONTROLLERS[ctrl.get("type", "fixed")]
-    return jnp.asarray(update(jnp.asarray(beta, jnp.float32), current_kl, n_steps, ctrl), jnp.float32)
+    return jnp.asarray(
+        update(jnp.asarray(beta, jnp.float32), current_kl, n_steps, ctrl), jnp.float32
+    )

@@ -21,6 +21,7 @@ clip_ratio_high (None -> clip_ratio), clip_ratio_c (3.0), loss_scale_factor (Non
 (0.0002), ppo_kl_coef (0.1). verl nests the last five under `actor.policy_loss`; in jrl
 `actor.policy_loss` is the loss name, so they sit directly in the actor section.
 """
+
 import functools
 from typing import Callable, Optional
 
@@ -148,7 +149,9 @@ def policy_loss(
         config=config,
         key=key,
     )
-    metrics = {k: jax.lax.stop_gradient(jnp.asarray(metrics.get(k, 0.0), jnp.float32)) for k in METRIC_KEYS}
+    metrics = {
+        k: jax.lax.stop_gradient(jnp.asarray(metrics.get(k, 0.0), jnp.float32)) for k in METRIC_KEYS
+    }
     return loss, metrics
 
 
@@ -193,7 +196,9 @@ def vanilla(*, old_log_prob, log_prob, advantages, response_mask, aggregate, con
     metrics = {
         "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), response_mask),
         "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(((clipped > l3) & (advantages < 0)).astype(jnp.float32), response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(
+            ((clipped > l3) & (advantages < 0)).astype(jnp.float32), response_mask
+        ),
     }
     return aggregate(losses), metrics
 
@@ -212,7 +217,9 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
     log_ratio = log_prob - old_log_prob
     lengths = jnp.maximum(jnp.sum(response_mask, axis=-1), 1.0)
     seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
-    token_log_ratio = log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+    token_log_ratio = (
+        log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+    )
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
     l1, l2 = _ppo_clip_terms(advantages, ratio, config)
     loss = agg_loss(jnp.maximum(l1, l2), response_mask, "seq-mean-token-mean")
@@ -245,9 +252,13 @@ def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
     loss = jnp.mean(-seq_adv * seq_ratio)
     was_clipped = log_ratio != clamped
     metrics = {
-        "actor/pg_clipfrac": masked_mean((was_clipped & (advantages > 0)).astype(jnp.float32), response_mask),
+        "actor/pg_clipfrac": masked_mean(
+            (was_clipped & (advantages > 0)).astype(jnp.float32), response_mask
+        ),
         "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean((was_clipped & (advantages < 0)).astype(jnp.float32), response_mask),
+        "actor/pg_clipfrac_lower": masked_mean(
+            (was_clipped & (advantages < 0)).astype(jnp.float32), response_mask
+        ),
     }
     return loss, metrics
 
@@ -295,7 +306,9 @@ def gpg(*, old_log_prob, log_prob, advantages, response_mask, aggregate, **_):
     """GPG, group policy gradient (Chu et al. 2025, arXiv:2504.02546): plain REINFORCE,
     loss_t = -log_prob_t A_t, aggregated with loss_agg_mode. No clipping (clip fractions 0).
     verl reports no metrics here; jrl still reports actor/ppo_kl (it is well defined)."""
-    return aggregate(-log_prob * advantages), {"actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, response_mask)}
+    return aggregate(-log_prob * advantages), {
+        "actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, response_mask)
+    }
 
 
 def _top_ranked(score_BT, count):
@@ -334,7 +347,10 @@ def clip_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, co
     l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
     cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_mean(x, response_mask))
     candidate = (
-        valid & ~(l2 > l1) & (cov < config.get("clip_cov_ub", 5.0)) & (cov > config.get("clip_cov_lb", 1.0))
+        valid
+        & ~(l2 > l1)
+        & (cov < config.get("clip_cov_ub", 5.0))
+        & (cov > config.get("clip_cov_lb", 1.0))
     )
     n_clip = jnp.maximum(jnp.floor(ratio_of_tokens * jnp.sum(valid)), 1.0)
     priority = cov if key is None else jax.random.uniform(key, cov.shape)
@@ -364,7 +380,12 @@ def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, conf
     log_ratio = log_prob - old_log_prob
     abs_kl = jnp.abs(log_ratio)
     l1 = -advantages * jnp.exp(log_ratio)
-    cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_sum(x, valid) / jnp.maximum(n_valid, 1))
+    cov = _covariance(
+        advantages,
+        log_prob,
+        response_mask,
+        lambda x: masked_sum(x, valid) / jnp.maximum(n_valid, 1),
+    )
     k = jnp.maximum(jnp.floor(ratio_of_tokens * n_valid), 1.0)
     penalised = valid & _top_ranked(jnp.where(valid, cov, -jnp.inf), k)
     losses = jnp.where(penalised, l1 + config.get("ppo_kl_coef", 0.1) * abs_kl, l1)
@@ -383,7 +404,9 @@ def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg
     """
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_equal_shape([vpreds, returns, values, mask])
-    vpreds, returns, values = (zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (vpreds, returns, values))
+    vpreds, returns, values = (
+        zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (vpreds, returns, values)
+    )
     vpreds_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = jnp.square(vpreds - returns)
     clipped = jnp.square(vpreds_clipped - returns)

@@ -1,4 +1,5 @@
 """Tasks: prompt batches and reference answers, picked by name from the config."""
+
 from jrl.data.arithmetic import ArithmeticTask
 
 TASKS = {"arithmetic": ArithmeticTask}

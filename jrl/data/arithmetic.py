@@ -14,6 +14,7 @@ Batches are dicts of numpy arrays with static shapes (P = prompt length, R = res
   answer_mask     [Bp, R] int32  1 on the answer tokens and the eos, 0 after
   answer_len      [Bp]    int32  number of answer tokens, eos excluded
 """
+
 from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -46,8 +47,8 @@ def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int):
     mask = np.zeros((len(rows), width), np.int32)
     for i, row in enumerate(rows):
         if row:
-            ids[i, width - len(row):] = row
-            mask[i, width - len(row):] = 1
+            ids[i, width - len(row) :] = row
+            mask[i, width - len(row) :] = 1
     return ids, mask
 
 

@@ -3,6 +3,7 @@
 `batch` is the prompt batch repeated per response row (e.g. `answer_ids`, `answer_len`);
 `response_ids` / `response_mask` are [B, R]; scores are float32 sequence-level rewards.
 """
+
 from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match
 
 REWARDS = {"arithmetic_exact_match": arithmetic_exact_match}

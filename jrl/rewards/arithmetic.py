@@ -1,4 +1,5 @@
 """Exact-match reward for the arithmetic task, in JAX on token ids (runs inside the jitted step)."""
+
 import chex
 import jax.numpy as jnp
 
