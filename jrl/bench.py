@@ -12,7 +12,7 @@ work per step does not depend on what the random model samples.
 
 Reported: compile time of the fused step, steady-state seconds per step (median of `--steps`
 steps after compile), tokens/s (generated tokens, and prompt + generated), and the split of a step
-into rollout / scoring + advantages / update, timed by jitting the same three phase functions
+into rollout + reward / log-probs + advantages / update, timed by jitting the same three phase functions
 (`jrl.step.make_phases`) separately.
 """
 

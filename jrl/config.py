@@ -105,6 +105,29 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
 
+    c.algorithm.filter_groups = ml_collections.ConfigDict()
+    c.algorithm.filter_groups.enable = False  # DAPO dynamic sampling: drop groups whose scores all agree
+    c.algorithm.filter_groups.metric = "acc"  # what must differ within a group: acc (task reward) | score
+    c.algorithm.filter_groups.max_num_gen_batches = 4  # generation rounds (of fresh prompts) per step
+
+    c.critic = ml_collections.ConfigDict()
+    c.critic.share_backbone = False  # True: one network, a value head on the policy; False: separate critic
+    c.critic.lr = 1e-3  # critic learning rate (AdamW)
+    c.critic.lr_warmup_steps = 0  # linear warm-up of the critic learning rate, in updates
+    c.critic.betas = (0.9, 0.999)  # AdamW betas
+    c.critic.weight_decay = 0.0  # AdamW decoupled weight decay
+    c.critic.grad_clip = 1.0  # global-norm gradient clipping
+    c.critic.cliprange_value = 0.5  # value clipping around the rollout-time values
+    c.critic.loss_agg_mode = "token-mean"  # aggregation of the value loss
+    c.critic.vf_coef = 1.0  # weight of the value loss in the shared-backbone loss
+    c.critic.critic_warmup = 0  # RL steps that train only the critic (verl: trainer.critic_warmup)
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.overlong_buffer = ml_collections.ConfigDict()
+    c.reward.overlong_buffer.enable = False  # DAPO soft overlong punishment of long responses
+    c.reward.overlong_buffer.len = 2  # the last `len` tokens before max_response_length are penalised
+    c.reward.overlong_buffer.penalty_factor = 1.0  # penalty reached at max_response_length
+
     c.warmup = ml_collections.ConfigDict()
     c.warmup.sft_steps = (
         0  # at most this many supervised steps on the task's answers before RL; 0: none
@@ -182,5 +205,25 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         cfg.algorithm.gamma >= 0 and 0 <= cfg.algorithm.lam <= 1,
         f"algorithm.gamma={cfg.algorithm.gamma} must be >= 0 and algorithm.lam="
         f"{cfg.algorithm.lam} in [0, 1].",
+    )
+    _choice("algorithm.filter_groups.metric", cfg.algorithm.filter_groups.metric, ("acc", "score"))
+    _check(
+        cfg.algorithm.filter_groups.max_num_gen_batches >= 1,
+        f"algorithm.filter_groups.max_num_gen_batches="
+        f"{cfg.algorithm.filter_groups.max_num_gen_batches} must be >= 1.",
+    )
+    _check(
+        not (cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2),
+        "algorithm.filter_groups.enable needs rollout.n >= 2 (groups of one never differ).",
+    )
+    _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
+    _check(cfg.critic.lr >= 0, f"critic.lr={cfg.critic.lr} must be >= 0.")
+    _check(
+        cfg.critic.cliprange_value > 0,
+        f"critic.cliprange_value={cfg.critic.cliprange_value} must be > 0.",
+    )
+    _check(
+        cfg.reward.overlong_buffer.len >= 1,
+        f"reward.overlong_buffer.len={cfg.reward.overlong_buffer.len} must be >= 1.",
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")

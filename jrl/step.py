@@ -1,17 +1,20 @@
-"""The fused RL step: rollout -> reward -> old / reference log-probs -> advantages -> PPO updates.
+"""The fused RL step: rollout -> reward -> old / reference log-probs and values -> advantages ->
+PPO updates of the policy (and the critic).
 
 `state, metrics = step(state, prompts)` is ONE function for `jax.jit` (with the state donated):
 every shape is static (P prompt length, R response length, B_p prompts, n samples per prompt,
 B = B_p * n rows), every variant is picked by name from the config at trace time, and nothing
 leaves the device until the host reads `metrics`.
 
-Alignment (DESIGN.md): response position t is action y_t; `log_probs[:, t]` is read from the
-logits at the position before y_t (the last prompt token for t = 0).
+Alignment (DESIGN.md, verl's convention): response position t is action y_t. `log_probs[:, t]` is
+read from the logits at the position before y_t (the last prompt token for t = 0), and so is
+`values[:, t]` = V(prompt, y_<t): the value of the state in which y_t is chosen.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -22,7 +25,7 @@ import optax
 from jrl import rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import kl as kl_lib
-from jrl.algos import losses
+from jrl.algos import losses, masked_mean, masked_var
 from jrl.models import transformer
 
 Batch = dict[str, jax.Array]
@@ -33,8 +36,10 @@ class TrainState:
     """Everything that changes across steps (so a checkpoint of it resumes a run exactly)."""
 
     step: jax.Array  # int32 scalar: RL steps taken
-    params: Any  # policy parameters
+    params: Any  # policy parameters (with the value head when the critic shares the backbone)
     opt_state: Any  # policy optimizer state
+    critic_params: Any  # separate critic (None without a critic or with a shared backbone)
+    critic_opt_state: Any  # its optimizer state (None likewise)
     ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is used)
     kl_coef: jax.Array  # float32 scalar: beta of KL-in-reward (its controller's state)
     key: jax.Array  # PRNG key
@@ -44,24 +49,48 @@ def needs_reference(cfg: ml_collections.ConfigDict) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """AdamW with linear warm-up to a constant rate and global-norm clipping (verl's defaults)."""
+def _needs(estimator: str) -> tuple[str, ...]:
+    return adv_lib._NEEDS[estimator]
+
+
+def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
+    """Estimators that take `values` (gae, group_ppo) train a critic."""
+    return "values" in _needs(cfg.algorithm.adv_estimator)
+
+
+def model_configs(cfg, model_cfg: transformer.ModelConfig):
+    """(policy model config, separate critic model config or None). With
+    `critic.share_backbone` the policy network carries the value head itself."""
+    if not needs_critic(cfg):
+        return model_cfg, None
+    if cfg.critic.share_backbone:
+        return dataclasses.replace(model_cfg, value_head=True), None
+    return model_cfg, dataclasses.replace(model_cfg, lm_head=False, value_head=True)
+
+
+def _adamw(opt_cfg, lr_schedule_fn) -> optax.GradientTransformation:
     return optax.chain(
-        optax.clip_by_global_norm(cfg.actor.grad_clip),
+        optax.clip_by_global_norm(opt_cfg.grad_clip),
         optax.adamw(
-            lr_schedule(cfg),
-            b1=cfg.actor.betas[0],
-            b2=cfg.actor.betas[1],
-            weight_decay=cfg.actor.weight_decay,
+            lr_schedule_fn,
+            b1=opt_cfg.betas[0],
+            b2=opt_cfg.betas[1],
+            weight_decay=opt_cfg.weight_decay,
         ),
     )
 
 
-def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
-    """Learning rate per optimizer update: linear warm-up over `actor.lr_warmup_steps`, then constant."""
-    if cfg.actor.lr_warmup_steps <= 0:
-        return optax.constant_schedule(cfg.actor.lr)
-    return optax.linear_schedule(0.0, cfg.actor.lr, cfg.actor.lr_warmup_steps)
+def lr_schedule(opt_cfg) -> optax.Schedule:
+    """Learning rate per optimizer update: linear warm-up over `lr_warmup_steps`, then constant."""
+    if opt_cfg.lr_warmup_steps <= 0:
+        return optax.constant_schedule(opt_cfg.lr)
+    return optax.linear_schedule(0.0, opt_cfg.lr, opt_cfg.lr_warmup_steps)
+
+
+def make_optimizer(opt_cfg) -> optax.GradientTransformation:
+    """AdamW with linear warm-up to a constant rate and global-norm clipping (verl's defaults);
+    `opt_cfg` is the `actor` or the `critic` section."""
+    return _adamw(opt_cfg, lr_schedule(opt_cfg))
 
 
 def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
@@ -69,18 +98,30 @@ def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
 
 
 def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainState:
+    """The first train state. `model_cfg` and `params` are the policy's (see `model_configs`); a
+    separate critic starts from the policy's weights plus a fresh value head."""
+    _, critic_cfg = model_configs(cfg, model_cfg)
+    key, key_critic = jax.random.split(key)
+    critic_params = critic_opt_state = None
+    if critic_cfg is not None:
+        head = transformer.init_params(critic_cfg, key_critic)
+        critic_params = {k: params.get(k, v) for k, v in head.items()}  # backbone from policy
+        critic_params = jax.tree_util.tree_map(jnp.copy, critic_params)
+        critic_opt_state = make_optimizer(cfg.critic).init(critic_params)
     ref = jax.tree_util.tree_map(jnp.copy, params) if needs_reference(cfg) else None
     return TrainState(
         step=jnp.int32(0),
         params=params,
-        opt_state=make_optimizer(cfg).init(params),
+        opt_state=make_optimizer(cfg.actor).init(params),
+        critic_params=critic_params,
+        critic_opt_state=critic_opt_state,
         ref_params=ref,
         kl_coef=jnp.float32(cfg.algorithm.kl_ctrl.kl_coef),
         key=key,
     )
 
 
-def response_logprobs(
+def response_outputs(
     model_cfg,
     params,
     prompt_ids_BP,
@@ -89,24 +130,57 @@ def response_logprobs(
     response_mask_BR,
     temperature: float = 1.0,
     with_entropy: bool = False,
-):
-    """log pi(y_t | prompt, y_<t) [B, R] under softmax(logits / T), and optionally the entropy [B, R]."""
+) -> dict[str, jax.Array]:
+    """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
+    `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
+    `entropy` of that distribution (if asked), `values` = V(prompt, y_<t) (with a value head)."""
     p = prompt_ids_BP.shape[1]
     ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
     mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-    logits, _ = transformer.apply_full(model_cfg, params, ids, mask)
-    logits_BRV = logits[:, p - 1 : -1] / temperature
-    logp_BR = jnp.take_along_axis(
-        jax.nn.log_softmax(logits_BRV, -1), response_ids_BR[..., None], -1
-    )[..., 0]
-    entropy_BR = losses.entropy_from_logits(logits_BRV) if with_entropy else None
-    return logp_BR, entropy_BR
+    logits, values = transformer.apply_full(model_cfg, params, ids, mask)
+    out = {}
+    if logits is not None:
+        logits_BRV = logits[:, p - 1 : -1] / temperature
+        out["log_prob"] = jnp.take_along_axis(
+            jax.nn.log_softmax(logits_BRV, -1), response_ids_BR[..., None], -1
+        )[..., 0]
+        if with_entropy:
+            out["entropy"] = losses.entropy_from_logits(logits_BRV)
+    if values is not None:
+        out["values"] = values[:, p - 1 : -1]
+    return out
+
+
+def response_logprobs(model_cfg, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                      temperature: float = 1.0):
+    """log pi(y_t | prompt, y_<t) [B, R] (see `response_outputs`)."""
+    return response_outputs(
+        model_cfg, params, prompt_ids, prompt_mask, response_ids, response_mask, temperature
+    )["log_prob"]
 
 
 def last_token_scores(scores_B, response_mask_BR):
     """token_level_scores [B, R]: the sequence score placed on the last valid response token."""
     last = jnp.sum(response_mask_BR, -1) - 1
     return jax.nn.one_hot(last, response_mask_BR.shape[1], dtype=jnp.float32) * scores_B[:, None]
+
+
+def overlong_penalty(length_B, max_new_tokens: int, buffer_len: int, penalty_factor: float):
+    """DAPO's soft overlong punishment: 0 up to R - buffer_len tokens, then falling linearly to
+    -penalty_factor at R: min(-(len - (R - buffer_len)) / buffer_len * factor, 0)."""
+    exceed = length_B.astype(jnp.float32) - (max_new_tokens - buffer_len)
+    return jnp.minimum(-exceed / buffer_len * penalty_factor, 0.0)
+
+
+def group_has_signal(scores_B, n: int):
+    """[B / n] bool: the group's scores are not all equal (DAPO dynamic sampling keeps these)."""
+    g = scores_B.reshape(-1, n)
+    return jnp.max(g, -1) > jnp.min(g, -1)
+
+
+def explained_variance(returns, values, mask):
+    """verl's critic/vf_explained_var: 1 - Var(returns - values) / Var(returns), valid tokens."""
+    return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-8)
 
 
 def _stats(name, x, mask=None):
@@ -122,6 +196,17 @@ def _stats(name, x, mask=None):
     }
 
 
+def _select(pred, on_true, on_false):
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def prompts_per_step(cfg: ml_collections.ConfigDict) -> int:
+    """Prompts the host feeds one step: B_p, or a pool of max_num_gen_batches * B_p under DAPO's
+    dynamic sampling (each generation round draws fresh prompts from it)."""
+    fg = cfg.algorithm.filter_groups
+    return cfg.data.train_batch_size * (fg.max_num_gen_batches if fg.enable else 1)
+
+
 def make_phases(
     cfg: ml_collections.ConfigDict,
     model_cfg: transformer.ModelConfig,
@@ -134,64 +219,125 @@ def make_phases(
     """The three phases of a step as pure functions (the fused step chains them; the benchmark
     also jits them one by one to time each):
 
-      generate(params, prompts, key) -> experience          rollout of B = B_p * n rows
+      generate(state, prompts, key) -> (experience, metrics)
+          rollout of B = B_p * n rows and its reward (`scores` [B]); with dynamic sampling, rounds
+          of fresh prompts until B_p groups with signal are found (`lax.while_loop`)
       score(state, experience) -> (experience, metrics, kl_coef)
-                                    reward, old / ref log-probs, KL in reward, advantages
-      update(params, opt_state, experience, key) -> (params, opt_state, metrics)
-                                    ppo_epochs x shuffled minibatches of optax updates
-    """
-    actor, algo, roll_cfg = cfg.actor, cfg.algorithm, cfg.rollout
-    n = roll_cfg.n
-    tx = make_optimizer(cfg)
-    use_ref = needs_reference(cfg)
+          old / ref log-probs, values, KL in the reward, advantages and returns
+      update(state, experience, key) -> (state, metrics)
+          ppo_epochs x shuffled minibatches (`lax.scan`) of policy and critic updates
 
-    def generate(params, prompts: Batch, key) -> Batch:
+    `model_cfg` is the policy's (see `model_configs`).
+    """
+    actor, algo, roll_cfg, critic = cfg.actor, cfg.algorithm, cfg.rollout, cfg.critic
+    n = roll_cfg.n
+    b_p = cfg.data.train_batch_size
+    _, critic_cfg = model_configs(cfg, model_cfg)
+    use_critic, shared = needs_critic(cfg), needs_critic(cfg) and critic_cfg is None
+    use_ref = needs_reference(cfg)
+    needs_baseline = "reward_baselines" in _needs(algo.adv_estimator)
+    overlong = cfg.reward.overlong_buffer
+    filter_groups = algo.filter_groups
+    tx, critic_tx = make_optimizer(actor), make_optimizer(critic)
+    sample = dict(
+        max_new_tokens=max_new_tokens,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        temperature=roll_cfg.temperature,
+        top_k=roll_cfg.top_k,
+        top_p=roll_cfg.top_p,
+    )
+
+    def rollout_and_reward(params, prompts: Batch, key) -> Batch:
+        """n samples of each prompt, scored; `acc` is the task reward, `scores` after shaping."""
         rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
         out = rollout.generate(
-            model_cfg,
-            params,
-            rows["input_ids"],
-            rows["attention_mask"],
-            key,
-            max_new_tokens=max_new_tokens,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            temperature=roll_cfg.temperature,
-            top_k=roll_cfg.top_k,
-            top_p=roll_cfg.top_p,
+            model_cfg, params, rows["input_ids"], rows["attention_mask"], key, **sample
         )
-        return {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
+        exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
+        acc = reward_fn(exp, out.response_ids, out.response_mask, eos_id=eos_id)
+        scores = acc
+        if overlong.enable:
+            length = jnp.sum(out.response_mask, -1)
+            scores = acc + overlong_penalty(
+                length, max_new_tokens, overlong.len, overlong.penalty_factor
+            )
+        if needs_baseline:  # ReMax: the reward of a greedy rollout of the same prompt
+            greedy = rollout.generate(
+                model_cfg, params, prompts["input_ids"], prompts["attention_mask"], key,
+                **{**sample, "temperature": 1.0}, greedy=True,
+            )
+            base = reward_fn(prompts, greedy.response_ids, greedy.response_mask, eos_id=eos_id)
+            exp["reward_baselines"] = jnp.repeat(base, n)
+        return {**exp, "acc": acc, "scores": scores}
+
+    def dynamic_sampling(params, pool: Batch, key):
+        """DAPO: keep groups whose scores differ; draw fresh prompts from the pool until B_p such
+        groups are found or the pool's max_num_gen_batches rounds are used. Slots still empty at
+        the end hold groups without signal from the first round (their advantages are 0)."""
+        rounds = filter_groups.max_num_gen_batches
+        chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
+        take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
+        signal = lambda e: group_has_signal(e[filter_groups.metric], n)
+
+        first = rollout_and_reward(params, take(0), jax.random.fold_in(key, 0))
+        keep = signal(first)
+        order = jnp.argsort(~keep, stable=True)  # groups with signal first
+        rows = (order[:, None] * n + jnp.arange(n)).reshape(-1)
+        buf = jax.tree_util.tree_map(lambda x: x[rows], first)
+
+        def cond(carry):
+            i, filled, _ = carry
+            return (i < rounds) & (filled < b_p)
+
+        def body(carry):
+            i, filled, buf = carry
+            new = rollout_and_reward(params, take(i), jax.random.fold_in(key, i))
+            keep = signal(new)
+            dest = jnp.where(keep, filled + jnp.cumsum(keep) - 1, b_p)  # b_p: dropped
+            dest_rows = (dest[:, None] * n + jnp.arange(n)).reshape(-1)
+            buf = jax.tree_util.tree_map(
+                lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new
+            )
+            return i + 1, jnp.minimum(filled + jnp.sum(keep), b_p), buf
+
+        i, filled, buf = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.sum(keep), buf))
+        return buf, {
+            "training/num_gen_batches": i,
+            "training/filled_groups_ratio": filled / b_p,
+        }
+
+    def generate(state: TrainState, prompts: Batch, key):
+        if filter_groups.enable:
+            return dynamic_sampling(state.params, prompts, key)
+        return rollout_and_reward(state.params, prompts, key), {}
+
+    def forward(model, params, exp, with_entropy=False):
+        return response_outputs(
+            model, params, exp["input_ids"], exp["attention_mask"], exp["response_ids"],
+            exp["response_mask"], roll_cfg.temperature, with_entropy,
+        )
 
     def score(state: TrainState, exp: Batch):
         mask = exp["response_mask"]
         b = mask.shape[0]
-        index = jnp.arange(b, dtype=jnp.int32) // n  # the prompt (group) of each row
-        scores = reward_fn(exp, exp["response_ids"], mask, eos_id=eos_id)
-        token_level_scores = last_token_scores(scores, mask)
-        logprob = lambda p: jax.lax.stop_gradient(
-            response_logprobs(
-                model_cfg,
-                p,
-                exp["input_ids"],
-                exp["attention_mask"],
-                exp["response_ids"],
-                mask,
-                roll_cfg.temperature,
-            )[0]
-        )
-        exp = {**exp, "scores": scores, "old_log_prob": logprob(state.params)}
+        old = jax.lax.stop_gradient(forward(model_cfg, state.params, exp))
+        exp = {**exp, "old_log_prob": old["log_prob"]}
         if use_ref:
-            exp["ref_log_prob"] = logprob(state.ref_params)
+            exp["ref_log_prob"] = jax.lax.stop_gradient(
+                forward(model_cfg, state.ref_params, exp)["log_prob"]
+            )
+        if use_critic:
+            values = old["values"] if shared else forward(critic_cfg, state.critic_params, exp)[
+                "values"]
+            exp["values"] = jax.lax.stop_gradient(values) * mask
         metrics = {}
+        token_level_scores = last_token_scores(exp["scores"], mask)
         token_level_rewards, kl_coef = token_level_scores, state.kl_coef
         if algo.use_kl_in_reward:
             token_level_rewards, kl_metrics = kl_lib.apply_kl_penalty(
-                token_level_scores,
-                exp["old_log_prob"],
-                exp["ref_log_prob"],
-                mask,
-                state.kl_coef,
-                algo.kl_penalty,
+                token_level_scores, exp["old_log_prob"], exp["ref_log_prob"], mask,
+                state.kl_coef, algo.kl_penalty,
             )
             metrics.update(kl_metrics)
             kl_coef = kl_lib.kl_ctrl_update(
@@ -201,63 +347,97 @@ def make_phases(
             algo.adv_estimator,
             token_level_rewards=token_level_rewards,
             response_mask=mask,
-            index=index,
+            index=jnp.arange(b, dtype=jnp.int32) // n,  # the prompt (group) of each row
+            values=exp.get("values"),
+            reward_baselines=exp.get("reward_baselines"),
             config=algo,
         )
-        exp.update(token_level_rewards=token_level_rewards, advantages=advantages, returns=returns)
+        exp.update(
+            token_level_rewards=token_level_rewards,
+            advantages=advantages,
+            returns=returns,
+            critic_mask=mask,
+        )
         return exp, metrics, kl_coef
 
-    def actor_loss(params, mb):
-        logp, entropy = response_logprobs(
-            model_cfg,
-            params,
-            mb["input_ids"],
-            mb["attention_mask"],
-            mb["response_ids"],
-            mb["response_mask"],
-            roll_cfg.temperature,
-            with_entropy=True,
-        )
+    def policy_terms(out, mb):
+        """Policy loss (+ KL loss - entropy bonus) of a minibatch from the forward `out`."""
         mask = mb["response_mask"]
         pg_loss, metrics = losses.policy_loss(
             actor.policy_loss,
             old_log_prob=mb["old_log_prob"],
-            log_prob=logp,
+            log_prob=out["log_prob"],
             advantages=mb["advantages"],
             response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode,
             config=actor,
         )
-        entropy = losses.agg_loss(entropy, mask, actor.loss_agg_mode)
+        entropy = losses.agg_loss(out["entropy"], mask, actor.loss_agg_mode)
         loss = pg_loss - actor.entropy_coeff * entropy
         metrics = {**metrics, "actor/pg_loss": pg_loss, "actor/entropy": entropy}
         if actor.use_kl_loss:
-            kl = kl_lib.kl_penalty(logp, mb["ref_log_prob"], actor.kl_loss_type)
+            kl = kl_lib.kl_penalty(out["log_prob"], mb["ref_log_prob"], actor.kl_loss_type)
             kl_loss = losses.agg_loss(kl, mask, actor.loss_agg_mode)
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss
         return loss, metrics
 
-    def update_minibatch(carry, mb):
-        params, opt_state = carry
-        grads, metrics = jax.grad(actor_loss, has_aux=True)(params, mb)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        metrics["actor/grad_norm"] = optax.tree.norm(grads)
-        return (optax.apply_updates(params, updates), opt_state), metrics
+    def value_terms(out, mb):
+        vf_loss, vf_clipfrac = losses.value_loss(
+            out["values"], mb["returns"], mb["values"], mb["critic_mask"],
+            critic.cliprange_value, critic.loss_agg_mode,
+        )
+        metrics = {
+            "critic/vf_loss": vf_loss,
+            "critic/vf_clipfrac": vf_clipfrac,
+            "critic/vpred_mean": masked_mean(out["values"], mb["critic_mask"]),
+        }
+        return vf_loss, metrics
 
-    def update(params, opt_state, exp: Batch, key):
-        keys = (
-            "input_ids",
-            "attention_mask",
-            "response_ids",
-            "response_mask",
-            "old_log_prob",
-            "advantages",
-        ) + (("ref_log_prob",) if use_ref else ())
+    def actor_loss(params, mb, actor_on):
+        """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains."""
+        out = forward(model_cfg, params, mb, with_entropy=True)
+        loss, metrics = policy_terms(out, mb)
+        loss = actor_on * loss
+        if shared:
+            vf_loss, vf_metrics = value_terms(out, mb)
+            loss = loss + critic.vf_coef * vf_loss
+            metrics.update(vf_metrics)
+        return loss, metrics
+
+    def critic_loss(critic_params, mb):
+        return value_terms(forward(critic_cfg, critic_params, mb), mb)
+
+    def update_minibatch(carry, mb):
+        state, actor_on = carry
+        grads, metrics = jax.grad(actor_loss, has_aux=True)(state.params, mb, actor_on)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        metrics["actor/grad_norm"] = optax.tree.norm(grads)
+        state = state.replace(params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state)
+        if use_critic and not shared:
+            grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(state.critic_params, mb)
+            updates, critic_opt = critic_tx.update(
+                grads, state.critic_opt_state, state.critic_params
+            )
+            critic_metrics["critic/grad_norm"] = optax.tree.norm(grads)
+            metrics.update(critic_metrics)
+            state = state.replace(
+                critic_params=optax.apply_updates(state.critic_params, updates),
+                critic_opt_state=critic_opt,
+            )
+        return (state, actor_on), metrics
+
+    def update(state: TrainState, exp: Batch, key):
+        keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "old_log_prob",
+                "advantages"]
+        keys += ["ref_log_prob"] if use_ref else []
+        keys += ["values", "returns", "critic_mask"] if use_critic else []
         data = {k: exp[k] for k in keys}
         b = exp["response_mask"].shape[0]
         mb_rows = actor.ppo_mini_batch_size * n
         num_mb = b // mb_rows
+        actor_on = (state.step >= critic.critic_warmup).astype(jnp.float32)
 
         def epoch(carry, key):
             perm = jax.random.permutation(key, b)
@@ -266,10 +446,10 @@ def make_phases(
             )
             return jax.lax.scan(update_minibatch, carry, mbs)
 
-        (params, opt_state), metrics = jax.lax.scan(
-            epoch, (params, opt_state), jax.random.split(key, actor.ppo_epochs)
+        (state, _), metrics = jax.lax.scan(
+            epoch, (state, actor_on), jax.random.split(key, actor.ppo_epochs)
         )
-        return params, opt_state, jax.tree_util.tree_map(jnp.mean, metrics)
+        return state, jax.tree_util.tree_map(jnp.mean, metrics)
 
     return generate, score, update
 
@@ -283,32 +463,34 @@ def make_step(
     pad_id: int,
     max_new_tokens: int,
 ):
-    """Builds `step(state, prompts) -> (state, metrics)`; `prompts` holds B_p rows of the task batch."""
+    """Builds `step(state, prompts) -> (state, metrics)`; `prompts` holds `prompts_per_step(cfg)`
+    rows of the task batch. `model_cfg` is the policy's (see `model_configs`)."""
     generate, score, update = make_phases(
         cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens
     )
-    schedule = lr_schedule(cfg)
+    actor_lr, critic_lr = lr_schedule(cfg.actor), lr_schedule(cfg.critic)
 
     def step(state: TrainState, prompts: Batch):
         key, k_roll, k_shuffle = jax.random.split(state.key, 3)
-        exp = generate(state.params, prompts, k_roll)
-        exp, metrics, kl_coef = score(state, exp)
-        params, opt_state, update_metrics = update(state.params, state.opt_state, exp, k_shuffle)
+        exp, metrics = generate(state, prompts, k_roll)
+        exp, score_metrics, kl_coef = score(state, exp)
+        metrics.update(score_metrics)
+        new_state, update_metrics = update(state, exp, k_shuffle)
         metrics.update(update_metrics)
         metrics.update(experience_metrics(exp, max_new_tokens))
-        metrics["actor/lr"] = schedule(
-            state.step * updates_per_step(cfg)
-        )  # at this step's 1st update
-        new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, kl_coef=kl_coef, key=key
-        )
+        first_update = state.step * updates_per_step(cfg)  # the lr of this step's first update
+        metrics["actor/lr"] = actor_lr(first_update)
+        if "values" in exp:
+            metrics["critic/lr"] = critic_lr(first_update)
+        new_state = new_state.replace(step=state.step + 1, kl_coef=kl_coef, key=key)
         return new_state, metrics
 
     return step
 
 
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
-    """verl's data metrics of a scored batch: scores, rewards, advantages, returns, lengths."""
+    """verl's data metrics of a scored batch: scores, rewards, advantages, returns, values,
+    lengths."""
     mask = exp["response_mask"]
     length = jnp.sum(mask, -1)
     prompt_length = jnp.sum(exp["attention_mask"], -1)
@@ -317,6 +499,10 @@ def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     metrics.update(_stats("critic/rewards", jnp.sum(exp["token_level_rewards"] * mask, -1)))
     metrics.update(_stats("critic/advantages", exp["advantages"], mask))
     metrics.update(_stats("critic/returns", exp["returns"], mask))
+    if "values" in exp:
+        metrics.update(_stats("critic/values", exp["values"], mask))
+        metrics["critic/vf_explained_var"] = explained_variance(exp["returns"], exp["values"],
+                                                                mask)
     metrics.update(_stats("response_length", length.astype(jnp.float32)))
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
     metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)
@@ -363,10 +549,10 @@ def make_sft_step(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelCo
     def loss_fn(params, batch):
         target = batch["answer_ids"]
         mask = (jnp.arange(target.shape[1])[None] <= batch["answer_len"][:, None]).astype(jnp.int32)
-        logp, _ = response_logprobs(
+        out = response_outputs(
             model_cfg, params, batch["input_ids"], batch["attention_mask"], target, mask
         )
-        return -jnp.sum(logp * mask) / jnp.sum(mask)
+        return -jnp.sum(out["log_prob"] * mask) / jnp.sum(mask)
 
     def sft_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)

@@ -40,7 +40,7 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
 
 
 def build(cfg):
-    """Tokenizer, task, reward function and model config of a run."""
+    """Tokenizer, task, reward function and the policy's model config of a run."""
     tok = tokenizer_lib.get_tokenizer(cfg.tokenizer)
     task = data.make_task(
         cfg.task.name,
@@ -52,7 +52,8 @@ def build(cfg):
         max_prompt_length=cfg.data.max_prompt_length or None,
         max_response_length=cfg.data.max_response_length or None,
     )
-    return tok, task, rewards.get_reward(cfg.task.reward), model_config(cfg, len(tok))
+    policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
+    return tok, task, rewards.get_reward(cfg.task.reward), policy_cfg
 
 
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
@@ -111,7 +112,7 @@ def run(cfg, workdir: str) -> dict:
     bar.write(f"step 0: val/accuracy {first['val/accuracy']:.3f}")
     metrics = first
     for i in range(cfg.total_steps):
-        batch = task.train_batch(i, cfg.data.train_batch_size)
+        batch = task.train_batch(i, step_lib.prompts_per_step(cfg))
         t = time.perf_counter()
         state, metrics = step_fn(state, batch)
         metrics = to_python(jax.device_get(metrics))
