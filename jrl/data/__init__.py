@@ -1,8 +1,27 @@
-"""Tasks: prompt batches and reference answers, picked by name from the config."""
+"""Tasks: prompt batches and reference answers, picked by name from the config.
+
+Every task has `train_batch(step, batch_size, stream=0) -> dict of numpy` (a pure function of the
+seed, stream and step), `eval_batch()`, and the attributes `prompt_length`, `max_response_length`,
+`eos_id`, `pad_id`, `bos_id`. `make_task(name, tokenizer, **kwargs)` builds one:
+
+  "arithmetic"  built-in synthetic arithmetic (jrl/data/arithmetic.py); kwargs: num_digits, ops,
+                eval_size, seed, max_prompt_length, max_response_length. Batches carry
+                `answer_ids` / `answer_len` for the JAX reward "arithmetic_exact_match".
+  "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
+                prompt, "answer" (ending in "#### <number>") -> ground truth.
+  "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
+                -> ground truth.
+    gsm8k / math kwargs (`MathTask`): train_files, eval_files, question_field, answer_field,
+    template, prompt_format ("plain" | "chat"), system_prompt, max_prompt_length,
+    max_response_length, overlong_prompts ("drop" | "truncate" | "error"), eval_size, seed,
+    answer_format, add_bos. Batches carry `row_id` / `split` for the host rewards "gsm8k",
+    "math", "format" and user reward functions.
+"""
 
 from jrl.data.arithmetic import ArithmeticTask
+from jrl.data.math_data import MathTask, gsm8k_task, math_task
 
-TASKS = {"arithmetic": ArithmeticTask}
+TASKS = {"arithmetic": ArithmeticTask, "gsm8k": gsm8k_task, "math": math_task}
 
 
 def make_task(name: str, tokenizer, **kwargs):
@@ -10,3 +29,6 @@ def make_task(name: str, tokenizer, **kwargs):
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}: valid names are {', '.join(sorted(TASKS))}.")
     return TASKS[name](tokenizer, **kwargs)
+
+
+__all__ = ["TASKS", "ArithmeticTask", "MathTask", "gsm8k_task", "make_task", "math_task"]

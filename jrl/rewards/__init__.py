@@ -1,16 +1,94 @@
 """Rewards picked by name: `fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]`.
 
-`batch` is the prompt batch repeated per response row (e.g. `answer_ids`, `answer_len`);
-`response_ids` / `response_mask` are [B, R]; scores are float32 sequence-level rewards.
+`batch` is the prompt batch repeated per response row (e.g. `answer_ids`, `answer_len`, or
+`row_id` / `split`); `response_ids` / `response_mask` are [B, R]; scores are float32
+sequence-level rewards. Every reward can be called inside `jax.jit`.
+
+Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
+  - JAX rewards (`REWARDS`) run in-graph on token ids and need no task:
+      "arithmetic_exact_match"  exact answer + eos for the arithmetic task.
+  - Python rewards (`HOST_REWARDS`) decode the responses and score the text on the host through
+    `jax.pure_callback` (jrl/rewards/python.py); they need the task (for the ground truths) and
+    its tokenizer (default `task.tokenizer`):
+      "gsm8k"   final number vs the `####` answer; options: fallback ("last_number" | "none"),
+                format_score (score of a stated but wrong answer, default 0.0).
+      "math"    last boxed answer vs the reference, by normalisation / math_verify / sympy with a
+                time limit; options: format_score, backend ("auto" | "math_verify" | "sympy"),
+                timeout_s (per answer, default 5.0), num_workers (default 2).
+      "format"  1.0 when the response states a final answer in the task's form (`####` for
+                gsm8k, boxed for math); option: style ("gsm8k" | "boxed").
+      "package.module:function" (or "user:package.module:function"): a user score function
+                `(responses: list[str], ground_truths: list[str]) -> list[float]`.
 """
 
+from jrl.rewards import math as math_rewards
 from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match
+from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
 
 REWARDS = {"arithmetic_exact_match": arithmetic_exact_match}
 
 
-def get_reward(name: str):
-    """The reward function registered as `name`."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}: valid names are {', '.join(sorted(REWARDS))}.")
-    return REWARDS[name]
+def _format_score(task, **options):
+    style = options.pop("style", None) or getattr(task, "answer_format", None)
+    if style is None:
+        raise ValueError(
+            f"reward 'format' cannot tell the answer form of a {type(task).__name__}: pass "
+            "style='gsm8k' or style='boxed'."
+        )
+    return math_rewards.FormatScore(style=style, **options)
+
+
+# name -> (task, **options) -> score_fn(responses, ground_truths) -> list[float]
+HOST_REWARDS = {
+    "gsm8k": lambda task, **options: math_rewards.Gsm8kScore(**options),
+    "math": lambda task, **options: math_rewards.MathScore(**options),
+    "format": _format_score,
+}
+
+
+def names() -> list[str]:
+    """Every registered reward name (user functions are given as "package.module:function")."""
+    return sorted({**REWARDS, **HOST_REWARDS})
+
+
+def get_reward(name: str, task=None, tokenizer=None, **options):
+    """The ready reward function `name`: a JAX reward, a Python reward or a user function path.
+
+    `task` and `tokenizer` (default `task.tokenizer`) are needed by the Python rewards; `options`
+    go to the Python reward's score function (see the module docstring).
+    """
+    if name in REWARDS:
+        if options:
+            raise ValueError(f"reward {name!r} takes no options; got {', '.join(options)}.")
+        return REWARDS[name]
+    if ":" in name:
+        if options:
+            raise ValueError(f"user reward {name!r} takes no options; got {', '.join(options)}.")
+        score_fn = load_score_fn(name)
+    elif name in HOST_REWARDS:
+        if task is None:
+            raise ValueError(
+                f"reward {name!r} scores decoded text on the host and needs the task and "
+                f"tokenizer: get_reward({name!r}, task, tokenizer)."
+            )
+        score_fn = HOST_REWARDS[name](task, **options)
+    else:
+        raise ValueError(
+            f"unknown reward {name!r}: valid names are {', '.join(names())}, or a user function "
+            "'package.module:function'."
+        )
+    if tokenizer is None:
+        tokenizer = getattr(task, "tokenizer", None)
+    return make_python_reward(score_fn, task, tokenizer, name=name)
+
+
+__all__ = [
+    "HOST_REWARDS",
+    "REWARDS",
+    "RewardError",
+    "arithmetic_exact_match",
+    "exact_match",
+    "get_reward",
+    "make_python_reward",
+    "names",
+]
