@@ -236,7 +236,10 @@ def test_registry(tok, files):
         max_prompt_length=20,
     )
     assert isinstance(task, MathTask) and task.answer_format == "gsm8k"
-    assert task.max_response_length == 1024 and task.eval_size == 3
+    assert task.max_response_length == 1024 and task.eval_size == 3  # None / 0: the defaults
+    assert (
+        make(tok, files, max_prompt_length=None, max_response_length=0).max_response_length == 1024
+    )
     math_file = write_jsonl(files[0] + ".math.jsonl", [{"problem": "1+1", "solution": "2"}] * 3)
     task = data.make_task("math", tok, train_files=math_file, eval_size=1, template="{question}")
     assert task.answer_format == "boxed" and task.ground_truths_for([0], [2]) == ["2"]

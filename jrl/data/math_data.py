@@ -38,6 +38,7 @@ from jrl.data.arithmetic import _left_pad
 SPLITS = ("train", "eval")  # split ids 0, 1
 OVERLONG_POLICIES = ("drop", "truncate", "error")
 PROMPT_FORMATS = ("plain", "chat")
+DEFAULT_MAX_PROMPT_LENGTH, DEFAULT_MAX_RESPONSE_LENGTH = 512, 1024
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 Files = Union[str, Sequence[str]]
@@ -128,8 +129,8 @@ class MathTask:
       prompt_format: "plain": (bos +) the template's text; "chat": the tokenizer's chat
         template over [system_prompt,] user text, with the generation prompt added.
       system_prompt: a system message for "chat" (None: none).
-      max_prompt_length: most prompt tokens (special tokens included).
-      max_response_length: R, new tokens per response.
+      max_prompt_length: most prompt tokens, special tokens included (None or 0: 512).
+      max_response_length: R, new tokens per response (None or 0: 1024).
       overlong_prompts: "drop" | "truncate" (keep the last max_prompt_length tokens) | "error".
       eval_size: eval rows: the first `eval_size` kept eval examples (0: all); without eval
         files, that many train examples held out by `seed` (must be > 0).
@@ -159,8 +160,8 @@ class MathTask:
         template: str = "{question}",
         prompt_format: str = "plain",
         system_prompt: Optional[str] = None,
-        max_prompt_length: int = 512,
-        max_response_length: int = 1024,
+        max_prompt_length: Optional[int] = None,
+        max_response_length: Optional[int] = None,
         overlong_prompts: str = "drop",
         eval_size: int = 0,
         seed: int = 0,
@@ -169,6 +170,8 @@ class MathTask:
         name: str = "math",
     ):
         self.name = name
+        max_prompt_length = max_prompt_length or DEFAULT_MAX_PROMPT_LENGTH
+        max_response_length = max_response_length or DEFAULT_MAX_RESPONSE_LENGTH
         self._check_options(
             tokenizer,
             prompt_format,
