@@ -13,7 +13,9 @@ import difflib
 
 import ml_collections
 
+from jrl import data, rewards
 from jrl.algos import advantages, kl, losses
+from jrl.data import math_data
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -58,7 +60,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
     c.task.eval_size = 256  # held-out problems in the eval split
-    c.task.reward = "arithmetic_exact_match"  # reward function (jrl.rewards.REWARDS)
+    c.task.reward = "arithmetic_exact_match"  # jrl.rewards.names(), or "package.module:function"
+    # gsm8k / math tasks (local files; nothing is downloaded):
+    c.task.train_files = ""  # local .parquet/.jsonl/.json/.csv train file(s), comma-separated
+    c.task.eval_files = ""  # eval file(s); "": hold out task.eval_size train examples
+    c.task.question_field = ""  # question field (dots for nested); "": gsm8k question, math problem
+    c.task.answer_field = ""  # ground-truth field; "": gsm8k answer, math solution
+    c.task.template = ""  # prompt text with "{question}" (literal braces doubled); "": built-in one
+    c.task.prompt_format = "plain"  # plain: bos + template text | chat: the tokenizer's chat template
+    c.task.system_prompt = ""  # chat only: system message; "": none
+    c.task.overlong_prompts = "drop"  # prompts over data.max_prompt_length: drop | truncate | error
+    c.task.format_score = 0.0  # gsm8k / math reward: score of a stated but wrong answer
+    c.task.gsm8k_fallback = "last_number"  # gsm8k without "####": last_number | none (scores 0)
+    c.task.math_backend = "auto"  # math equivalence: auto (math_verify if installed) | math_verify | sympy
+    c.task.math_timeout_s = 5.0  # math reward: time limit of one answer's symbolic check (over: 0)
+    c.task.math_workers = 2  # math reward: answer-checking worker processes
 
     c.data = ml_collections.ConfigDict()
     c.data.train_batch_size = 32  # prompts per RL step (B_p); rows per step = B_p * rollout.n
@@ -168,6 +184,21 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.kl_kinds())
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
 
+    _choice("task.name", cfg.task.name, data.TASKS)
+    if ":" not in cfg.task.reward:
+        _choice("task.reward", cfg.task.reward, rewards.names())
+    _choice("task.overlong_prompts", cfg.task.overlong_prompts, math_data.OVERLONG_POLICIES)
+    _choice("task.prompt_format", cfg.task.prompt_format, math_data.PROMPT_FORMATS)
+    _check(
+        cfg.task.name == "arithmetic" or cfg.task.train_files,
+        f"task.name='{cfg.task.name}' reads local files: set --config.task.train_files=PATH.",
+    )
+    _check(
+        cfg.task.name == "arithmetic" or cfg.warmup.sft_steps == 0,
+        f"warmup.sft_steps={cfg.warmup.sft_steps}: the supervised warm-up needs reference answers "
+        f"of the built-in arithmetic task; set --config.warmup.sft_steps=0 for "
+        f"task.name='{cfg.task.name}'.",
+    )
     _check(cfg.total_steps >= 1, f"total_steps={cfg.total_steps} must be >= 1.")
     _check(
         cfg.eval_every >= 0,

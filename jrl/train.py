@@ -39,21 +39,50 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     return transformer.ModelConfig(vocab_size=vocab_size, **fields)
 
 
+def reward_options(cfg) -> dict:
+    """Keyword options of the Python rewards (jrl.rewards.get_reward)."""
+    t = cfg.task
+    return {
+        "gsm8k": dict(fallback=t.gsm8k_fallback, format_score=t.format_score),
+        "math": dict(
+            format_score=t.format_score,
+            backend=t.math_backend,
+            timeout_s=t.math_timeout_s,
+            num_workers=t.math_workers,
+        ),
+    }.get(t.reward, {})
+
+
 def build(cfg):
     """Tokenizer, task, reward function and the policy's model config of a run."""
     tok = tokenizer_lib.get_tokenizer(cfg.tokenizer)
-    task = data.make_task(
-        cfg.task.name,
-        tok,
-        num_digits=cfg.task.num_digits,
-        ops=tuple(cfg.task.ops),
-        eval_size=cfg.task.eval_size,
+    t = cfg.task
+    common = dict(
         seed=cfg.seed,
+        eval_size=t.eval_size,
         max_prompt_length=cfg.data.max_prompt_length or None,
         max_response_length=cfg.data.max_response_length or None,
     )
+    if t.name == "arithmetic":
+        task = data.make_task(t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **common)
+    else:
+        given = dict(
+            question_field=t.question_field, answer_field=t.answer_field, template=t.template
+        )
+        task = data.make_task(
+            t.name,
+            tok,
+            train_files=t.train_files,
+            eval_files=t.eval_files,
+            prompt_format=t.prompt_format,
+            system_prompt=t.system_prompt or None,
+            overlong_prompts=t.overlong_prompts,
+            **common,
+            **{k: v for k, v in given.items() if v},
+        )
+    reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
     policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
-    return tok, task, rewards.get_reward(cfg.task.reward), policy_cfg
+    return tok, task, reward_fn, policy_cfg
 
 
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
