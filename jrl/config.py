@@ -144,6 +144,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.overlong_buffer.len = 2  # the last `len` tokens before max_response_length are penalised
     c.reward.overlong_buffer.penalty_factor = 1.0  # penalty reached at max_response_length
 
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 50  # save every K RL steps (always also at the end and on preemption); 0: only those
+    c.checkpoint.max_to_keep = 3  # newest checkpoints kept under <workdir>/checkpoints; 0: keep all
+    c.checkpoint.async_save = True  # write checkpoints in the background while training goes on
+
     c.warmup = ml_collections.ConfigDict()
     c.warmup.sft_steps = (
         0  # at most this many supervised steps on the task's answers before RL; 0: none
@@ -256,5 +261,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         cfg.reward.overlong_buffer.len >= 1,
         f"reward.overlong_buffer.len={cfg.reward.overlong_buffer.len} must be >= 1.",
+    )
+    _check(
+        cfg.checkpoint.every_steps >= 0,
+        f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 "
+        f"(0: save only at the end and on preemption).",
+    )
+    _check(
+        cfg.checkpoint.max_to_keep >= 0,
+        f"checkpoint.max_to_keep={cfg.checkpoint.max_to_keep} must be >= 0 (0: keep all).",
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")

@@ -1,14 +1,21 @@
 """The trainer: python -m jrl.train --config=configs/grpo_math.py [--config.a.b=v] [--workdir=DIR]
 
-Read top to bottom: validate the config, build the tokenizer, task, reward and model, warm up
-(optional supervised steps), then loop over RL steps. Each RL step is one jitted call of the fused
-step (jrl/step.py); the host only feeds prompt batches and writes metrics.
+Read top to bottom: validate the config, build the tokenizer, task, reward and model, resume from
+the workdir's newest valid checkpoint or warm up (optional supervised steps), then loop over RL
+steps. Each RL step is one jitted call of the fused step (jrl/step.py); the host only feeds prompt
+batches, writes metrics and saves checkpoints.
+
+Exit status: 0 done; 2 bad config or arguments (nothing written); 42 preempted (SIGTERM / SIGINT /
+TPU preemption notice: the step finished and a checkpoint was written; rerun with the same
+--workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
+committed checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -17,6 +24,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
+from jrl import checkpoint as checkpoint_lib
 from jrl import config as config_lib
 from jrl import data, rewards, step as step_lib, tokenizer as tokenizer_lib
 from jrl.logging import MetricWriter, ProgressBar, to_python
@@ -28,8 +36,14 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir",
     None,
-    "Output directory (metrics.jsonl, tensorboard events, config.json); "
-    "default: runs/<config name>/<time>.",
+    "Output directory (checkpoints, metrics.jsonl, tensorboard events, config.json); a workdir "
+    "with checkpoints resumes from the newest valid one. Default: runs/<config name>/<time>.",
+)
+_FRESH = flags.DEFINE_bool(
+    "fresh",
+    False,
+    "Start from scratch even if --workdir has checkpoints (they are moved aside to "
+    "checkpoints.<time>, not deleted).",
 )
 
 
@@ -106,8 +120,18 @@ def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
     return params, steps, accuracy
 
 
+def _trim_metrics(workdir: str, last_step: int) -> None:
+    """On resume, drop metrics.jsonl rows of steps after the checkpoint (they are redone)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+        with open(path, "w") as f:
+            f.writelines(rows)
+
+
 def run(cfg, workdir: str) -> dict:
-    """Trains; returns the last step's metrics (with the final eval)."""
+    """Trains (or resumes); returns the last step's metrics (with the final eval)."""
     config_lib.validate(cfg)
     tok, task, reward_fn, model_cfg = build(cfg)
     os.makedirs(workdir, exist_ok=True)
@@ -119,45 +143,90 @@ def run(cfg, workdir: str) -> dict:
     )
     eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    params = transformer.init_params(model_cfg, key_init)
-    t0 = time.perf_counter()
-    if cfg.warmup.sft_steps:
-        params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
-        logging.info(
-            "warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f",
-            steps,
-            time.perf_counter() - t0,
-            acc,
-        )
-    state = step_lib.init_state(cfg, model_cfg, params, key_state)
+    init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
+    ckpt = checkpoint_lib.Checkpointer(
+        workdir,
+        every_steps=cfg.checkpoint.every_steps,
+        max_to_keep=cfg.checkpoint.max_to_keep,
+        async_save=cfg.checkpoint.async_save,
+    )
+    abstract = jax.eval_shape(lambda: init(transformer.init_params(model_cfg, key_init)))
+    resumed = ckpt.restore_latest(abstract)
+    if resumed is None:
+        params = transformer.init_params(model_cfg, key_init)
+        t0 = time.perf_counter()
+        if cfg.warmup.sft_steps:
+            params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
+            logging.info(
+                "warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f",
+                steps,
+                time.perf_counter() - t0,
+                acc,
+            )
+        state, start = init(params), 0
+    else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
+        state, extra, start = resumed
+        logging.info("resumed from %s at step %d", ckpt.directory, start)
+        _trim_metrics(workdir, start)
     step_fn = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
     eval_batch = task.eval_batch()
     evaluate = lambda params: to_python(eval_fn(params, eval_batch))
 
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    bar = ProgressBar(cfg.total_steps, enabled=jax.process_index() == 0)
-    first = evaluate(state.params)
-    writer.write(0, first)
-    bar.write(f"step 0: val/accuracy {first['val/accuracy']:.3f}")
-    metrics = first
-    for i in range(cfg.total_steps):
-        batch = task.train_batch(i, step_lib.prompts_per_step(cfg))
-        t = time.perf_counter()
-        state, metrics = step_fn(state, batch)
-        metrics = to_python(jax.device_get(metrics))
-        elapsed = time.perf_counter() - t
-        metrics["timing_s/step"] = elapsed
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
-        done = i + 1
-        if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-            metrics.update(evaluate(state.params))
-            bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
-        writer.write(done, metrics)
-        bar.update(metrics)
+    main_process = jax.process_index() == 0
+    writer = MetricWriter(workdir, enabled=main_process)
+    bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
+    if resumed is None:
+        metrics = evaluate(state.params)
+        first_accuracy = metrics["val/accuracy"]
+        writer.write(0, metrics)
+        bar.write(f"step 0: val/accuracy {first_accuracy:.3f}")
+    else:
+        first_accuracy = extra["val/accuracy_first"]
+        metrics = evaluate(state.params) if start >= cfg.total_steps else {}
+    config_json = json.loads(cfg.to_json_best_effort())
+    extra = lambda done: {
+        "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
+        "val/accuracy_first": first_accuracy,
+        "config": config_json,
+    }
+    with checkpoint_lib.PreemptionGuard() as guard:
+        for i in range(start, cfg.total_steps):
+            batch = task.train_batch(i, step_lib.prompts_per_step(cfg))
+            t = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            metrics = to_python(jax.device_get(metrics))
+            elapsed = time.perf_counter() - t
+            metrics["timing_s/step"] = elapsed
+            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
+            done = i + 1
+            if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                metrics.update(evaluate(state.params))
+                bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
+            writer.write(done, metrics)
+            bar.update(metrics)
+            ckpt.maybe_save(done, state, extra(done))
+            if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
+                ckpt.save(done, state, extra(done))
+                ckpt.close()
+                bar.close()
+                writer.close()
+                raise checkpoint_lib.Preempted(done)
+    ckpt.save(cfg.total_steps, state, extra(cfg.total_steps))  # no-op if already saved
+    ckpt.close()
     bar.close()
     writer.close()
-    metrics["val/accuracy_first"] = first["val/accuracy"]
+    metrics["val/accuracy_first"] = first_accuracy
     return metrics
+
+
+def start_fresh(workdir: str) -> None:
+    """--fresh: move an existing checkpoints/ aside (nothing saved is deleted)."""
+    old = os.path.join(workdir, checkpoint_lib.CHECKPOINTS_DIR)
+    if os.path.exists(old):
+        shutil.move(old, f"{old}.{time.strftime('%Y%m%d-%H%M%S')}")
+    ref = os.path.join(workdir, checkpoint_lib.REFERENCE_DIR)
+    if os.path.exists(ref):
+        shutil.move(ref, f"{ref}.{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def main(argv):
@@ -178,6 +247,8 @@ def main(argv):
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if _FRESH.value:
+        start_fresh(workdir)
     final = run(cfg, workdir)
     print(
         json.dumps(
