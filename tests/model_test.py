@@ -1,4 +1,7 @@
-"""The decoder: causal masking, padding invariance, KV-cache decode == full forward, logical axes."""
+"""The decoder: causal masking, padding invariance, KV-cache decode == full forward (sliding windows
+included), logical axes."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -50,34 +53,121 @@ def test_left_padding_does_not_change_logits(params):
     np.testing.assert_allclose(a[0], b[0, 2:], atol=1e-5)
 
 
-def test_kv_cache_decode_equals_full_forward(params):
-    """Prefill a left-padded batch, decode token by token; every step's logits equal the full pass."""
-    model = tfm.Transformer(CFG)
-    prompt = np.array([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
-    pmask = (prompt > 0).astype(np.int32)
-    cont = np.array([[7, 8, 9, 10], [11, 12, 13, 14]], np.int32)
+# Gemma-style: every family option on, layer 0 sliding (window 3) with its own rope theta.
+GEMMA_CFG = tfm.ModelConfig(
+    vocab_size=23,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    hidden_act="gelu_pytorch_tanh",
+    qk_norm=True,
+    norm_unit_offset=True,
+    scale_embeddings=True,
+    sandwich_norms=True,
+    query_pre_attn_scalar=24.0,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=10.0,
+    sliding_window=3,
+    layer_types=("sliding_attention", "full_attention"),
+    rope_theta=1e4,
+    rope_local_base_freq=100.0,
+    rope_scaling_type="linear",
+    rope_scaling_factor=2.0,
+)
+
+
+def _decode(cfg, params, prompt, pmask, cont):
+    """Prefill a left-padded batch, then decode `cont` token by token: the logits predicting each
+    continuation token [B, R]; the rollout's slot layout (prompt in [0, P), response from P)."""
+    apply = jax.jit(tfm.Transformer(cfg).apply)  # two compiles: prefill and one decode step
     b, p = prompt.shape
     r = cont.shape[1]
     s = p + r
     key_valid = np.zeros((b, s), bool)
     key_valid[:, :p] = pmask
     slots = np.arange(s)
-    cache = tfm.init_cache(CFG, b, s)
+    cache = tfm.init_cache(cfg, b, s)
     mask = key_valid[:, None, :] & (slots[None, None, :] <= np.arange(p)[None, :, None])
     pos = tfm.positions_from_mask(jnp.asarray(pmask))
-    logits, _, cache = model.apply({"params": params}, prompt, pos, mask, cache, 0)
+    logits, _, cache = apply({"params": params}, prompt, pos, mask, cache, 0)
     step_logits = [logits[:, -1]]
     for t in range(r - 1):
         key_valid[:, p + t] = True
         mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-        logits, _, cache = model.apply(
+        logits, _, cache = apply(
             {"params": params}, cont[:, t : t + 1], pos[:, -1:] + 1 + t, mask, cache, p + t
         )
         step_logits.append(logits[:, -1])
-    decoded = np.stack(step_logits, 1)
+    return np.stack(step_logits, 1)
+
+
+def _random_params(cfg, seed=0, std=0.3):
+    """Params of `cfg` drawn from N(0, std^2), norm scales included (no eager init to trace)."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
+    return jax.tree.map(lambda s: std * rng.standard_normal(s.shape).astype(np.float32), shapes)
+
+
+_forward = jax.jit(tfm.forward, static_argnums=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_kv_cache_decode_equals_full_forward(params, family):
+    """Every decode step's logits equal the full pass (sliding windows applied in both)."""
+    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, _random_params(GEMMA_CFG))
+    prompt = np.array([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
+    pmask = (prompt > 0).astype(np.int32)
+    cont = np.array([[7, 8, 9, 10], [11, 12, 13, 14]], np.int32)
+    p, r = prompt.shape[1], cont.shape[1]
+    decoded = _decode(cfg, params, prompt, pmask, cont)
     full_ids = np.concatenate([prompt, cont], 1)
-    full, _ = _full(params, full_ids, np.concatenate([pmask, np.ones_like(cont)], 1))
+    full_mask = np.concatenate([pmask, np.ones_like(cont)], 1)
+    full = _forward(cfg, params, jnp.asarray(full_ids), jnp.asarray(full_mask))
     np.testing.assert_allclose(decoded, full[:, p - 1 : p + r - 1], atol=1e-5)
+    if cfg.sliding_window:  # and the window matters at this length
+        unwindowed = dataclasses.replace(cfg, sliding_window=None, layer_types=None)
+        other = _forward(unwindowed, params, jnp.asarray(full_ids), jnp.asarray(full_mask))
+        assert np.abs(np.asarray(other - full)[:, -1]).max() > 1e-3
+
+
+def test_sliding_window_sees_the_last_window_tokens_only():
+    """One sliding layer, window 2: position t reads tokens t-1 and t, whatever the padding."""
+    cfg = tfm.ModelConfig(
+        vocab_size=23,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=16,
+        sliding_window=2,
+    )
+    params = _random_params(cfg, std=0.5)
+    ids = np.array([[3, 4, 5, 6, 7], [9, 4, 5, 6, 7]])  # differ at position 0 only
+    logits = np.asarray(_forward(cfg, params, jnp.asarray(ids), jnp.ones_like(ids)))
+    change = np.abs(logits[0] - logits[1]).max(-1)
+    assert change[0] > 1e-3 and change[1] > 1e-3
+    np.testing.assert_allclose(change[2:], 0, atol=1e-6)
+    padded = np.array([[0, 0, 3, 4, 5, 6, 7]])
+    lp = _forward(cfg, params, jnp.asarray(padded), jnp.asarray((padded > 0).astype(np.int32)))
+    np.testing.assert_allclose(lp[0, 2:], logits[0], atol=1e-5)
+
+
+def test_default_config_keeps_its_parameter_names(params):
+    """The family options add parameters only when switched on."""
+    assert set(params["layers_0"]) == {"attn", "input_norm", "mlp", "post_attn_norm"}
+    gemma = jax.eval_shape(lambda k: tfm.init_params(GEMMA_CFG, k), jax.random.key(0))
+    assert set(gemma["layers_0"]) == {
+        "attn",
+        "attn_out_norm",
+        "input_norm",
+        "mlp",
+        "mlp_out_norm",
+        "post_attn_norm",
+    }
+    assert gemma["layers_0"]["attn"]["q_norm"]["scale"].shape == (16,)
 
 
 def test_gqa_with_one_kv_head_per_query_head_matches_repeated_kv(params):
@@ -112,9 +202,10 @@ def test_rope_rotates_pairs_half_apart():
     np.testing.assert_allclose(y, want, rtol=1e-6)
 
 
-def test_every_parameter_has_logical_axes():
-    axes = tfm.logical_axes(CFG)
-    shapes = jax.eval_shape(lambda k: tfm.init_params(CFG, k), jax.random.key(0))
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_CFG], ids=["llama", "gemma"])
+def test_every_parameter_has_logical_axes(cfg):
+    axes = tfm.logical_axes(cfg)
+    shapes = jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
     flat_axes = jax.tree_util.tree_leaves(
         axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )
@@ -124,6 +215,9 @@ def test_every_parameter_has_logical_axes():
         assert len(spec) == len(shape.shape)
     assert axes["embed"] == jax.sharding.PartitionSpec("vocab", "embed")
     assert axes["layers_0"]["mlp"]["gate_proj"] == jax.sharding.PartitionSpec("embed", "mlp")
+    if cfg.qk_norm:
+        assert axes["layers_0"]["attn"]["k_norm"]["scale"] == jax.sharding.PartitionSpec("head_dim")
+        assert axes["layers_1"]["mlp_out_norm"]["scale"] == jax.sharding.PartitionSpec("embed")
 
 
 def test_bad_head_counts_raise():

@@ -1,5 +1,7 @@
-"""Models: one decoder for the Llama / Qwen2 family."""
+"""Models: one decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families, and
+Hugging Face checkpoints in (`load_pretrained`) and out (`save_pretrained`)."""
 
+from jrl.models.hf import load_pretrained, model_config_from_hf, save_pretrained
 from jrl.models.transformer import (
     ModelConfig,
     Transformer,
@@ -20,6 +22,9 @@ __all__ = [
     "forward",
     "init_cache",
     "init_params",
+    "load_pretrained",
     "logical_axes",
+    "model_config_from_hf",
     "positions_from_mask",
+    "save_pretrained",
 ]

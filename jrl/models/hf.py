@@ -1,0 +1,507 @@
+"""Hugging Face checkpoints in and out: `config.json` + safetensors <-> (ModelConfig, params).
+
+Supported `model_type`s: llama (Llama 2 / 3.x), mistral, qwen2 (Qwen2 / Qwen2.5), qwen3, gemma2,
+gemma3_text (Gemma 3 text-only checkpoints). `config.json` is parsed by transformers' own config
+classes, so old and new field spellings (`rope_theta` / `rope_scaling` / `rope_parameters`,
+missing `layer_types`, ...) get the defaults transformers gives them. Weights are read with the
+`safetensors` library (numpy, bfloat16 through ml_dtypes); torch is never needed.
+
+Weight layouts (HF `nn.Linear` stores [out, in]):
+  q/k/v_proj.weight [N*D, H] <-> attn/{q,k,v}_proj [H, N, D];  biases [N*D] <-> [N, D]
+  o_proj.weight [H, N*D] <-> attn/o_proj [N, D, H];  MLP and lm_head weights are transposed.
+  Norm weights are copied as stored (Gemma's (1 + w) offset lives in `norm_unit_offset`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import transformers
+from flax import traverse_util
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jrl.models import transformer as tfm
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Tensors some checkpoints carry that hold nothing jrl needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _check_false(c, *names):
+    for name in names:
+        if getattr(c, name, False):
+            raise ValueError(
+                f"{c.model_type} checkpoints with {name}=true are not supported by jrl's decoder."
+            )
+
+
+def _read_rope(params: dict) -> dict:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in tfm.ROPE_SCALINGS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(tfm.ROPE_SCALINGS)}."
+        )
+    out = {"rope_theta": float(params["rope_theta"]), "rope_scaling_type": rope_type}
+    if rope_type != "default":
+        out["rope_scaling_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        out["rope_original_max_position_embeddings"] = int(
+            params["original_max_position_embeddings"]
+        )
+    return out
+
+
+def _write_rope(cfg: tfm.ModelConfig) -> dict:
+    out = {"rope_type": cfg.rope_scaling_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_type != "default":
+        out["factor"] = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "llama3":
+        out["low_freq_factor"] = cfg.rope_low_freq_factor
+        out["high_freq_factor"] = cfg.rope_high_freq_factor
+        out["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
+    return out
+
+
+def _read_layer_windows(c) -> dict:
+    """sliding_window / layer_types from a config with per-layer types (Qwen, Gemma)."""
+    types = tuple(getattr(c, "layer_types", None) or ())
+    window = getattr(c, "sliding_window", None)
+    if window is None or tfm.SLIDING_ATTENTION not in types:
+        return {"sliding_window": None, "layer_types": None}
+    if all(t == tfm.SLIDING_ATTENTION for t in types):
+        return {"sliding_window": int(window), "layer_types": None}
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _layer_types(cfg: tfm.ModelConfig) -> list[str]:
+    return [
+        tfm.SLIDING_ATTENTION if cfg.is_sliding(i) else tfm.FULL_ATTENTION
+        for i in range(cfg.num_layers)
+    ]
+
+
+def _write_qwen_windows(cfg: tfm.ModelConfig) -> dict:
+    types = _layer_types(cfg)
+    first = types.index(tfm.SLIDING_ATTENTION) if tfm.SLIDING_ATTENTION in types else len(types)
+    return {
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "max_window_layers": first,
+        "layer_types": types,
+    }
+
+
+def _read_llama(c) -> dict:
+    _check_false(c, "attention_bias", "mlp_bias")
+    return {}
+
+
+def _read_mistral(c) -> dict:
+    window = getattr(c, "sliding_window", None)
+    return {"sliding_window": None if window is None else int(window)}
+
+
+def _read_qwen3(c) -> dict:
+    _check_false(c, "attention_bias")
+    return _read_layer_windows(c)
+
+
+def _read_gemma2(c) -> dict:
+    _check_false(c, "attention_bias", "use_bidirectional_attention")
+    head_dim = c.head_dim or c.hidden_size // c.num_attention_heads
+    scalar = float(c.query_pre_attn_scalar)
+    return {
+        "query_pre_attn_scalar": None if scalar == head_dim else scalar,
+        "attn_logit_softcapping": c.attn_logit_softcapping,
+        "final_logit_softcapping": c.final_logit_softcapping,
+        **_read_layer_windows(c),
+    }
+
+
+def _read_gemma3(c) -> dict:
+    # Gemma 3's attention ignores attn_logit_softcapping (transformers never applies it).
+    return {**_read_gemma2(c), "attn_logit_softcapping": None}
+
+
+def _int_if_whole(x: float):
+    """transformers types some float-valued fields as int; whole numbers go in as ints."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _write_gemma2(cfg: tfm.ModelConfig) -> dict:
+    return {
+        "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_size),
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        # With no sliding layer the window is never used, but transformers still builds its mask.
+        "sliding_window": cfg.sliding_window or cfg.max_position_embeddings,
+        "layer_types": _layer_types(cfg),
+    }
+
+
+def _write_gemma3(cfg: tfm.ModelConfig) -> dict:
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq or cfg.rope_theta}
+    rope = {"full_attention": _write_rope(cfg), "sliding_attention": local}
+    return {**_write_gemma2(cfg), "rope_parameters": rope}
+
+
+_GEMMA = {"norm_unit_offset": True, "scale_embeddings": True, "sandwich_norms": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one Hugging Face `model_type` maps onto ModelConfig."""
+
+    architecture: str  # the *ForCausalLM class written to config.json
+    fixed: dict  # ModelConfig fields every checkpoint of the family has
+    read: Callable[[Any], dict]  # HF config object -> family-specific ModelConfig fields
+    write: Callable[[tfm.ModelConfig], dict]  # ModelConfig -> family-specific HF config fields
+    act_key: str = "hidden_act"  # the config.json field naming the MLP activation
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", {}, _read_llama, lambda cfg: {}),
+    "mistral": Family(
+        "MistralForCausalLM", {}, _read_mistral, lambda cfg: {"sliding_window": cfg.sliding_window}
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM", {"qkv_bias": True}, _read_layer_windows, _write_qwen_windows
+    ),
+    "qwen3": Family("Qwen3ForCausalLM", {"qk_norm": True}, _read_qwen3, _write_qwen_windows),
+    "gemma2": Family(
+        "Gemma2ForCausalLM", _GEMMA, _read_gemma2, _write_gemma2, act_key="hidden_activation"
+    ),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM",
+        {**_GEMMA, "qk_norm": True},
+        _read_gemma3,
+        _write_gemma3,
+        act_key="hidden_activation",
+    ),
+}
+
+
+def _family(model_type) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}."
+        )
+    return FAMILIES[model_type]
+
+
+def _read_rope_fields(c) -> dict:
+    params = getattr(c, "rope_parameters", None)
+    if params is None:
+        raise ValueError(
+            f"transformers {transformers.__version__} has no config.rope_parameters; "
+            "jrl.models.hf needs transformers>=5: pip install -U transformers."
+        )
+    if tfm.FULL_ATTENTION not in params:
+        return _read_rope(params)
+    out = _read_rope(params[tfm.FULL_ATTENTION])
+    local = _read_rope(params.get(tfm.SLIDING_ATTENTION) or params[tfm.FULL_ATTENTION])
+    if local["rope_scaling_type"] != "default":
+        raise ValueError("scaled rope on sliding-window layers is not supported.")
+    if local["rope_theta"] != out["rope_theta"] or out["rope_scaling_type"] != "default":
+        out["rope_local_base_freq"] = local["rope_theta"]
+    return out
+
+
+def model_config_from_hf(hf_config: dict, dtype: str = "float32") -> tfm.ModelConfig:
+    """ModelConfig of a Hugging Face `config.json` (as a dict), compute and weights in `dtype`."""
+    model_type = hf_config.get("model_type")
+    family = _family(model_type)
+    fields = {k: v for k, v in hf_config.items() if k != "model_type"}
+    c = transformers.AutoConfig.for_model(model_type, **fields)
+    head_dim = getattr(c, "head_dim", None)
+    fields = {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_layers": c.num_hidden_layers,
+        "num_heads": c.num_attention_heads,
+        "num_kv_heads": c.num_key_value_heads or c.num_attention_heads,
+        "head_dim": None
+        if head_dim in (None, c.hidden_size // c.num_attention_heads)
+        else head_dim,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": float(c.rms_norm_eps),
+        "tie_word_embeddings": bool(c.tie_word_embeddings),
+        "hidden_act": getattr(c, family.act_key),
+        "max_position_embeddings": c.max_position_embeddings,
+        "dtype": dtype,
+        "param_dtype": dtype,
+        "hf_model_type": model_type,
+        **_read_rope_fields(c),
+        **family.fixed,
+        **family.read(c),
+    }
+    return tfm.ModelConfig(**fields)
+
+
+def infer_model_type(cfg: tfm.ModelConfig) -> str:
+    """The Hugging Face family a ModelConfig exports as: `hf_model_type`, else from its features."""
+    if cfg.hf_model_type:
+        return cfg.hf_model_type
+    if cfg.sandwich_norms:
+        return "gemma3_text" if cfg.qk_norm else "gemma2"
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias or cfg.layer_types is not None:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window else "llama"
+
+
+# Fields that do not change what a checkpoint computes.
+_NOT_ARCHITECTURE = (
+    "lm_head",
+    "value_head",
+    "dtype",
+    "param_dtype",
+    "init_std",
+    "hf_model_type",
+    "max_position_embeddings",
+)
+_ROPE_SCALING_FIELDS = (
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+)
+
+
+def _architecture(cfg: tfm.ModelConfig) -> dict:
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_ARCHITECTURE}
+    out["head_dim"] = cfg.head_size
+    unused = {"default": _ROPE_SCALING_FIELDS, "linear": _ROPE_SCALING_FIELDS[1:]}
+    for k in unused.get(cfg.rope_scaling_type, ()):
+        out.pop(k)
+    return out
+
+
+def hf_config_dict(cfg: tfm.ModelConfig, dtype: str, tokenizer=None) -> dict:
+    """The `config.json` dict of a ModelConfig (transformers' full form, `model_type` included).
+
+    Raises ValueError when the architecture has no exact Hugging Face counterpart.
+    """
+    model_type = infer_model_type(cfg)
+    family = _family(model_type)
+    if not cfg.lm_head:
+        raise ValueError("model.lm_head=False (critic-only) has no Hugging Face causal-LM form.")
+    fields = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        family.act_key: cfg.hidden_act,
+        "rope_parameters": _write_rope(cfg),
+        "architectures": [family.architecture],
+        "dtype": dtype,
+        "bos_token_id": getattr(tokenizer, "bos_token_id", None),
+        "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+        "pad_token_id": getattr(tokenizer, "pad_token_id", None),
+        **family.write(cfg),
+    }
+    hf = transformers.AutoConfig.for_model(model_type, **fields).to_dict()
+    back = _architecture(model_config_from_hf(hf))
+    want = _architecture(cfg)
+    diff = [f"{k}={want[k]!r}" for k in want if back.get(k) != want[k]]
+    if diff:
+        raise ValueError(
+            f"model with {', '.join(diff)} cannot be written as a {model_type} checkpoint; "
+            f"set model.hf_model_type to a family that has these features ({', '.join(FAMILIES)})."
+        )
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# weights: names and layouts
+
+# Layout converters: (jrl array -> HF array, (HF array, jrl shape) -> jrl array). They use only
+# array methods, so `jax.eval_shape` gives the HF shape of a jrl shape without touching data.
+_LAYOUTS: dict[str, tuple[Callable, Callable]] = {
+    "copy": (lambda x: x, lambda y, shape: y),
+    "transpose": (lambda x: x.T, lambda y, shape: y.T),
+    "heads_in": (lambda x: x.reshape(x.shape[0], -1).T, lambda y, shape: y.T.reshape(shape)),
+    "heads_out": (lambda x: x.reshape(-1, x.shape[-1]).T, lambda y, shape: y.T.reshape(shape)),
+    "flat": (lambda x: x.reshape(-1), lambda y, shape: y.reshape(shape)),
+}
+
+
+def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
+    """jrl parameter path -> (HF tensor name, layout) for every parameter but the value head."""
+    table = {
+        ("embed",): ("model.embed_tokens.weight", "copy"),
+        ("final_norm", "scale"): ("model.norm.weight", "copy"),
+    }
+    if cfg.lm_head and not cfg.tie_word_embeddings:
+        table[("lm_head",)] = ("lm_head.weight", "transpose")
+    # Norm before the MLP: HF Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm.
+    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+    if cfg.sandwich_norms:
+        norms = {
+            "input_norm": "input_layernorm",
+            "attn_out_norm": "post_attention_layernorm",
+            "post_attn_norm": "pre_feedforward_layernorm",
+            "mlp_out_norm": "post_feedforward_layernorm",
+        }
+    for i in range(cfg.num_layers):
+        jrl, hf = f"layers_{i}", f"model.layers.{i}."
+        for p in ("q", "k", "v"):
+            table[(jrl, "attn", f"{p}_proj")] = (hf + f"self_attn.{p}_proj.weight", "heads_in")
+            if cfg.qkv_bias:
+                table[(jrl, "attn", f"{p}_proj_bias")] = (hf + f"self_attn.{p}_proj.bias", "flat")
+        table[(jrl, "attn", "o_proj")] = (hf + "self_attn.o_proj.weight", "heads_out")
+        if cfg.qk_norm:
+            for p in ("q", "k"):
+                table[(jrl, "attn", f"{p}_norm", "scale")] = (
+                    hf + f"self_attn.{p}_norm.weight",
+                    "copy",
+                )
+        for p in ("gate", "up", "down"):
+            table[(jrl, "mlp", f"{p}_proj")] = (hf + f"mlp.{p}_proj.weight", "transpose")
+        for name, hf_name in norms.items():
+            table[(jrl, name, "scale")] = (hf + hf_name + ".weight", "copy")
+    return table
+
+
+def _param_shapes(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+    shapes = jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
+    return traverse_util.flatten_dict(shapes)
+
+
+def _hf_shape(layout: str, shape) -> tuple[int, ...]:
+    return jax.eval_shape(_LAYOUTS[layout][0], jax.ShapeDtypeStruct(shape, np.float32)).shape
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it (single file or a sharded index)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.exists(single):
+        raise ValueError(
+            f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: jrl reads safetensors "
+            "checkpoints only (re-save the model with safe_serialization=True)."
+        )
+    with safe_open(single, framework="np") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_tensors(files: dict[str, str], names) -> dict[str, np.ndarray]:
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="np") as f:
+            out.update({name: f.get_tensor(name) for name in file_names})
+    return out
+
+
+def load_pretrained(path, dtype: str = "float32") -> tuple[tfm.ModelConfig, Any]:
+    """(ModelConfig, params) of a local Hugging Face checkpoint directory.
+
+    The directory holds `config.json` and `model.safetensors` (or shards listed in
+    `model.safetensors.index.json`). Params come back as a nested dict of jax arrays in `dtype`
+    (the config's compute and parameter dtype too). Raises ValueError, one line, for a missing
+    directory / config / weights, an unsupported family, missing, unexpected or mis-shaped tensors.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint directory {path!r} does not exist; pass a local directory.")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path!r} has no {CONFIG_FILE}; it is not a Hugging Face checkpoint.")
+    with open(config_path) as f:
+        cfg = model_config_from_hf(json.load(f), dtype)
+    files = _weight_files(path)
+    table = weight_names(cfg)
+    missing = [hf for hf, _ in table.values() if hf not in files]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks tensors: {', '.join(missing[:8])}.")
+    known = {hf for hf, _ in table.values()} | {"lm_head.weight"}
+    unexpected = [n for n in files if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} has tensors jrl's {cfg.hf_model_type} decoder does not use: "
+            f"{', '.join(sorted(unexpected)[:8])}."
+        )
+    tensors = _read_tensors(files, [hf for hf, _ in table.values()])
+    flat = {}
+    for key, shape in _param_shapes(cfg).items():
+        hf, layout = table[key]
+        want = _hf_shape(layout, shape.shape)
+        if tensors[hf].shape != want:
+            raise ValueError(
+                f"tensor {hf} has shape {tensors[hf].shape}, config.json implies {want}."
+            )
+        value = _LAYOUTS[layout][1](tensors.pop(hf), shape.shape)
+        flat[key] = jax.numpy.asarray(value.astype(jax.numpy.dtype(dtype)))
+    return cfg, traverse_util.unflatten_dict(flat)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def save_pretrained(
+    model_config: tfm.ModelConfig, params, out_dir, tokenizer=None, dtype: str | None = None
+) -> str:
+    """Writes a checkpoint `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads.
+
+    Files: config.json (model_type, architectures and every field transformers reads),
+    model.safetensors (HF names and layouts, in `dtype`, default the config's `param_dtype`),
+    and with a tokenizer its files plus generation_config.json (bos / eos / pad ids). A value
+    head is not written (HF causal LMs have none). Returns `out_dir`.
+    """
+    out_dir = os.fspath(out_dir)
+    dtype = dtype or model_config.param_dtype
+    hf_config = hf_config_dict(model_config, dtype, tokenizer)
+    flat = traverse_util.flatten_dict(params)
+    tensors = {}
+    for key, (hf, layout) in weight_names(model_config).items():
+        value = np.asarray(jax.device_get(flat[key])).astype(jax.numpy.dtype(dtype))
+        tensors[hf] = np.ascontiguousarray(_LAYOUTS[layout][0](value))
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+        if tokenizer.eos_token_id is not None:
+            gen = transformers.GenerationConfig(
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            gen.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,150 @@
+"""Writes the Hugging Face parity goldens of tests/hf_test.py (needs torch and transformers).
+
+    python scripts/make_hf_goldens.py [--out tests/golden]
+
+For every family in FAMILIES: a tiny randomly initialised transformers causal LM (weights rounded
+to bfloat16, kept small on disk by saving in bfloat16; the float32 path is covered by the tests'
+round trips), saved with `save_pretrained` under <out>/<family>/, plus its float32 logits on
+<out>/input_ids.npy with <out>/attention_mask.npy (row 1 left-padded) as <out>/<family>/logits.npy.
+Position ids skip the left padding, as jrl numbers them. Eager attention; every weight is drawn
+with a scale large enough that norms, soft-caps and sliding windows change the logits.
+"""
+
+import argparse
+import os
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB, SEQ, PAD = 64, 12, 3
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GEMMA = dict(
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    hidden_activation="gelu_pytorch_tanh",
+    sliding_window=4,
+    num_hidden_layers=2,
+)
+
+# family -> (config fields, save dtype)
+FAMILIES = {
+    "llama": (
+        dict(
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+        torch.bfloat16,
+    ),
+    "mistral": (
+        dict(num_hidden_layers=2, sliding_window=4, tie_word_embeddings=False, head_dim=8),
+        torch.bfloat16,
+    ),
+    "qwen2": (
+        dict(
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+            rope_parameters=dict(rope_type="default", rope_theta=1000.0),
+        ),
+        torch.bfloat16,
+    ),
+    "qwen3": (
+        dict(num_hidden_layers=2, tie_word_embeddings=False, head_dim=16),
+        torch.bfloat16,
+    ),
+    "gemma2": (
+        dict(**GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=8.0),
+        torch.bfloat16,
+    ),
+    "gemma3_text": (
+        dict(
+            **GEMMA,
+            sliding_window_pattern=2,
+            final_logit_softcapping=5.0,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=1000.0),
+            ),
+        ),
+        torch.bfloat16,
+    ),
+}
+
+
+def inputs():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, VOCAB, size=(2, SEQ)).astype(np.int64)
+    mask = np.ones_like(ids)
+    ids[1, :PAD] = 0
+    mask[1, :PAD] = 0
+    return ids, mask
+
+
+def randomize(model, seed: int, gemma: bool):
+    """Every weight ~ N(0, 0.3^2); norm weights around 1 (around 0 for Gemma's 1 + w), bf16-exact."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            x = 0.3 * torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight") and not gemma:
+                x = x + 1.0
+            p.copy_(x.to(torch.bfloat16).float())
+
+
+def make(family: str, out: str, ids, mask):
+    fields, save_dtype = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(family, **COMMON, **fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.eval()
+    randomize(model, seed=len(family), gemma=family.startswith("gemma"))
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+        ).logits.numpy()
+    path = os.path.join(out, family)
+    model.to(save_dtype).save_pretrained(path)
+    np.save(os.path.join(path, "logits.npy"), logits.astype(np.float32))
+    print(f"{family}: {path}, logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join("tests", "golden"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ids, mask = inputs()
+    np.save(os.path.join(args.out, "input_ids.npy"), ids.astype(np.int32))
+    np.save(os.path.join(args.out, "attention_mask.npy"), mask.astype(np.int32))
+    for family in FAMILIES:
+        make(family, args.out, ids, mask)
+
+
+if __name__ == "__main__":
+    main()
