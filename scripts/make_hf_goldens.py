@@ -18,60 +18,62 @@ import torch
 import transformers
 
 VOCAB, SEQ, PAD = 64, 12, 3
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-GEMMA = dict(
-    head_dim=16,
-    query_pre_attn_scalar=24,
-    hidden_activation="gelu_pytorch_tanh",
-    sliding_window=4,
-    num_hidden_layers=2,
-)
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+GEMMA = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 4,
+    "num_hidden_layers": 2,
+}
 
 # family -> (config fields, save dtype)
 FAMILIES = {
     "llama": (
-        dict(
-            num_hidden_layers=2,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=4.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=32,
-            ),
-        ),
+        {
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 512,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,  # wavelengths 6, 63, 628, 6283:
+                # one kept, one interpolated, two slowed down
+            },
+        },
         torch.bfloat16,
     ),
     "mistral": (
-        dict(num_hidden_layers=2, sliding_window=4, tie_word_embeddings=False, head_dim=8),
+        {"num_hidden_layers": 2, "sliding_window": 4, "tie_word_embeddings": False, "head_dim": 8},
         torch.bfloat16,
     ),
     "qwen2": (
-        dict(
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-            use_sliding_window=True,
-            sliding_window=4,
-            max_window_layers=1,
-            rope_parameters=dict(rope_type="default", rope_theta=1000.0),
-        ),
+        {
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": True,
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+        },
         torch.bfloat16,
     ),
     "qwen3": (
-        dict(num_hidden_layers=2, tie_word_embeddings=False, head_dim=16),
+        {"num_hidden_layers": 2, "tie_word_embeddings": False, "head_dim": 16},
         torch.bfloat16,
     ),
     "gemma2": (
@@ -83,10 +85,10 @@ FAMILIES = {
             **GEMMA,
             sliding_window_pattern=2,
             final_logit_softcapping=5.0,
-            rope_parameters=dict(
-                full_attention=dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
-                sliding_attention=dict(rope_type="default", rope_theta=1000.0),
-            ),
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
         ),
         torch.bfloat16,
     ),
@@ -115,7 +117,7 @@ def randomize(model, seed: int, gemma: bool):
 
 def make(family: str, out: str, ids, mask):
     fields, save_dtype = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(family, **COMMON, **fields)
+    config = transformers.AutoConfig.for_model(family, **{**COMMON, **fields})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
