@@ -72,7 +72,7 @@ def test_mask_is_one_through_first_eos_and_zero_after(gen):
 
 def test_sampled_log_probs_equal_recomputed_ones(gen, params):
     out = gen(jax.random.key(3), temperature=0.7)
-    logp, _ = response_logprobs(
+    logp = response_logprobs(
         CFG,
         params,
         jnp.asarray(PROMPTS),
