@@ -13,18 +13,29 @@ Conventions (verl's token alignment):
     segment sums with num_segments = B.
   * The sequence score of a row is s_b = sum_t r[b, t] * mask[b, t].
 
-Masking rules (applied once, in `compute`):
+Masking rules (applied once, in `compute_full`, which `compute` calls):
   * inputs are zeroed where mask == 0 before anything else, so garbage there never matters;
   * both outputs are exactly 0 where mask == 0. verl leaves non-zero junk at some masked positions
     (GAE's whitened advantages and returns on padding, remax inside holes); jrl zeros them. Valid
     positions are unaffected;
   * outputs carry no gradient (verl computes them under `torch.no_grad`).
 
-Register a new estimator with `@register("name", needs=("index",))`; `group_ppo` is added by its own
-module the same way.
+Two entry points share one registry:
+  * `compute(name, ...) -> (advantages, returns)`, the stable API;
+  * `compute_full(name, ...) -> {"advantages", "returns", "critic_mask", "metrics",
+    "next_threshold", ...}`, which the fused step calls for every estimator alike: `critic_mask`
+    [B, T] is where the value loss applies (`response_mask` except for `group_ppo`), `metrics` a
+    dict of scalars ({} for most), `next_threshold` the GROUP-PPO threshold for the next step (the
+    `threshold` passed in, unchanged, for every other estimator).
+
+Register a new estimator with `@register("name", needs=("index",))`. It returns either
+`(advantages, returns)` or a dict holding at least those two keys (and any of the others above,
+plus extras such as `group_ppo`'s "token_returns"). `group_ppo` registers itself from
+`jrl/algos/group_ppo.py`, imported at the end of this module so that `names()` always lists it.
 """
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import chex
 import jax
@@ -34,16 +45,20 @@ from jrl.algos import lookup, masked_whiten, registrar, zero_masked
 
 GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
 
-Estimator = Callable[..., tuple[jax.Array, jax.Array]]
+Estimator = Callable[..., Any]  # -> (advantages, returns) or a dict (see the module docstring)
 ESTIMATORS: dict[str, Estimator] = {}
 _NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
+_OPTIONAL_INPUTS = ("index", "values", "reward_baselines", "old_log_prob", "threshold")
 _add = registrar(ESTIMATORS, "advantage estimator")
 
 
 def register(name: str, needs: Sequence[str] = ()):
     """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values,
-    reward_baselines, config) -> (advantages, returns)` under `name`; `needs` names the optional
-    inputs (`index`, `values`, `reward_baselines`) it cannot run without."""
+    reward_baselines, old_log_prob, threshold, config)` under `name` (take `**_` for the inputs
+    you do not use); `needs` names the optional inputs it cannot run without."""
+    unknown = set(needs) - set(_OPTIONAL_INPUTS)
+    if unknown:
+        raise ValueError(f"unknown inputs {sorted(unknown)}; valid: {', '.join(_OPTIONAL_INPUTS)}.")
 
     def decorator(fn: Estimator) -> Estimator:
         fn = _add(name)(fn)
@@ -58,23 +73,76 @@ def names() -> list[str]:
     return sorted(ESTIMATORS)
 
 
+def needs(name: str) -> tuple[str, ...]:
+    """The optional inputs (`index`, `values`, ...) the estimator `name` cannot run without."""
+    lookup(ESTIMATORS, name, "advantage estimator")
+    return _NEEDS[name]
+
+
 def compute(
     name: str,
     *,
     token_level_rewards: jax.Array,
     response_mask: jax.Array,
-    index: Optional[jax.Array] = None,
-    values: Optional[jax.Array] = None,
-    reward_baselines: Optional[jax.Array] = None,
+    index: jax.Array | None = None,
+    values: jax.Array | None = None,
+    reward_baselines: jax.Array | None = None,
+    old_log_prob: jax.Array | None = None,
+    threshold: jax.Array | None = None,
     config,
 ) -> tuple[jax.Array, jax.Array]:
     """Advantages and returns [B, T] of the estimator registered as `name` (static under jit).
 
     `config` is the run config's `algorithm` section (an ml_collections.ConfigDict); each
-    estimator reads its own fields with defaults (see its docstring).
+    estimator reads its own fields with defaults (see its docstring). `old_log_prob` [B, T] and
+    `threshold` (float32 scalar) are needed by `group_ppo` only. Same as `compute_full(...)`'s
+    "advantages" and "returns".
+    """
+    out = compute_full(
+        name,
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        index=index,
+        values=values,
+        reward_baselines=reward_baselines,
+        old_log_prob=old_log_prob,
+        threshold=threshold,
+        config=config,
+    )
+    return out["advantages"], out["returns"]
+
+
+def compute_full(
+    name: str,
+    *,
+    token_level_rewards: jax.Array,
+    response_mask: jax.Array,
+    index: jax.Array | None = None,
+    values: jax.Array | None = None,
+    reward_baselines: jax.Array | None = None,
+    old_log_prob: jax.Array | None = None,
+    threshold: jax.Array | None = None,
+    config,
+) -> dict[str, Any]:
+    """Everything the fused step needs from the estimator `name`, the same keys for every name:
+
+      advantages [B, T], returns [B, T]  as `compute` (0 where response_mask == 0, no gradient)
+      critic_mask [B, T] float32         where the value loss applies: response_mask, except
+                                         group_ppo's segment starts
+      metrics                            dict of float32 scalars ({} for most estimators)
+      next_threshold                     group_ppo: the adapted threshold for the next step;
+                                         others: `threshold` as passed (None if not passed)
+    plus estimator-specific extras (group_ppo: "token_returns" [B, T], the per-token GAE returns).
+    Pass `threshold=state.<group threshold>` always, so switching estimators needs no other change.
     """
     estimator = lookup(ESTIMATORS, name, "advantage estimator")
-    given = {"index": index, "values": values, "reward_baselines": reward_baselines}
+    given = {
+        "index": index,
+        "values": values,
+        "reward_baselines": reward_baselines,
+        "old_log_prob": old_log_prob,
+        "threshold": threshold,
+    }
     missing = [k for k in _NEEDS[name] if given[k] is None]
     if missing:
         raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}.")
@@ -92,19 +160,30 @@ def compute(
     if reward_baselines is not None:
         chex.assert_shape(reward_baselines, (batch,))
         reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
+    if old_log_prob is not None:
+        chex.assert_equal_shape([mask, old_log_prob])
+        old_log_prob = zero_masked(jnp.asarray(old_log_prob, jnp.float32), mask)
+    if threshold is not None:
+        threshold = jnp.asarray(threshold, jnp.float32)
+        chex.assert_shape(threshold, ())
     rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
-    advantages, returns = estimator(
+    out = estimator(
         token_level_rewards=rewards,
         response_mask=mask,
         index=index,
         values=values,
         reward_baselines=reward_baselines,
+        old_log_prob=old_log_prob,
+        threshold=threshold,
         config=config,
     )
-    advantages = jax.lax.stop_gradient(zero_masked(advantages, mask))
-    returns = jax.lax.stop_gradient(zero_masked(returns, mask))
-    return advantages, returns
+    if not isinstance(out, Mapping):
+        out = dict(zip(("advantages", "returns"), out))
+    out = {"critic_mask": mask, "metrics": {}, "next_threshold": threshold, **out}
+    for key in ("advantages", "returns", "critic_mask"):
+        out[key] = zero_masked(out[key], mask)
+    return jax.lax.stop_gradient(out)
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -141,6 +220,25 @@ def _broadcast(per_row, mask):
 # ----------------------------------------------------------------------------- estimators
 
 
+def gae_advantages(token_level_rewards, response_mask, values, gamma, lam):
+    """Unwhitened GAE advantages A [B, T] (the recurrence of the `gae` estimator below).
+
+    Inputs must already be 0 where response_mask == 0 (as `compute` leaves them).
+    """
+
+    def step(carry, xs):
+        next_value, next_adv = carry
+        reward, value, valid = xs
+        delta = reward + gamma * next_value - value
+        adv = delta + gamma * lam * next_adv
+        next_value = jnp.where(valid != 0, value, next_value)
+        next_adv = jnp.where(valid != 0, adv, next_adv)
+        return (next_value, next_adv), next_adv
+
+    zeros = jnp.zeros(response_mask.shape[:1], jnp.float32)
+    return _reverse_scan(step, (zeros, zeros), token_level_rewards, values, response_mask)
+
+
 @register("gae", needs=("values",))
 def gae(*, token_level_rewards, response_mask, values, config, **_):
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
@@ -155,18 +253,7 @@ def gae(*, token_level_rewards, response_mask, values, config, **_):
     """
     gamma = config.get("gamma", 1.0)
     lam = config.get("lam", 1.0)
-
-    def step(carry, xs):
-        next_value, next_adv = carry
-        reward, value, valid = xs
-        delta = reward + gamma * next_value - value
-        adv = delta + gamma * lam * next_adv
-        next_value = jnp.where(valid != 0, value, next_value)
-        next_adv = jnp.where(valid != 0, adv, next_adv)
-        return (next_value, next_adv), next_adv
-
-    zeros = jnp.zeros(response_mask.shape[:1], jnp.float32)
-    raw = _reverse_scan(step, (zeros, zeros), token_level_rewards, values, response_mask)
+    raw = gae_advantages(token_level_rewards, response_mask, values, gamma, lam)
     return masked_whiten(raw, response_mask), raw + values
 
 
@@ -315,3 +402,7 @@ def gpg(*, token_level_rewards, response_mask, index, config, **_):
     adv = alpha * (scores - jnp.where(n > 1, mean, 0.0)) / config.get("f_norm", 1.0)
     adv = _broadcast(adv, response_mask)
     return adv, adv
+
+
+# GROUP-PPO registers itself as "group_ppo"; imported last because it uses this module.
+from jrl.algos import group_ppo as _group_ppo  # noqa: F401
