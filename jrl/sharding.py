@@ -1,0 +1,283 @@
+"""Device mesh, logical axis rules, and the shardings of the train state, batches and KV cache.
+
+Model code names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"; see
+`jrl.models.transformer.logical_axes`); batches use "batch". Rules map each logical axis onto mesh
+axes, flax style: a sequence of (logical name, mesh axis | tuple of mesh axes | None) pairs. With
+the default mesh axes ("data", "fsdp", "tensor"):
+
+  * "data"   pure data parallelism: batch rows split, parameters replicated;
+  * "fsdp"   batch rows split AND parameters split along "embed" (ZeRO-3 / FSDP style);
+  * "tensor" Megatron-style tensor parallelism over heads, kv heads, MLP width and vocabulary.
+
+Not every dimension divides its mesh axes (2 kv heads over tensor=4, an odd vocabulary): such a
+dimension keeps the longest prefix of its mesh axes whose size divides it, down to none at all
+(that dimension is then replicated). This is checked per array, so one awkward weight is
+replicated along that dimension instead of failing the whole run. A mesh axis is used at most
+once per array: a later dimension mapped to an axis already taken is replicated.
+
+Sharded init follows DESIGN.md: `jax.eval_shape(init)` -> `state_shardings` ->
+`sharded_init(init, mesh, shardings)` (= `jax.jit(init, out_shardings=...)`), so the full
+parameters never sit on one host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jrl.models import transformer
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. "batch" covers the leading dim of batches and of the KV cache.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+
+# Logical names of a KV-cache entry [B, S, K, D] (jrl.models.transformer.init_cache).
+CACHE_AXES = PartitionSpec("batch", None, "kv_heads", "head_dim")
+
+Rules = Sequence[tuple[str, Any]]
+
+
+def make_mesh(
+    axes: Sequence[str] = MESH_AXES,
+    shape: Sequence[int] = (-1, 1, 1),
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh of `devices` (default: all, every process) with named `axes` of sizes `shape`.
+
+    One size may be -1: it takes the devices the others leave. Axes are `AxisType.Auto`, so jit
+    with in/out shardings propagates shardings through the step as usual.
+    """
+    axes, shape = tuple(axes), [int(s) for s in shape]
+    devices = list(jax.devices() if devices is None else devices)
+    if len(axes) != len(shape):
+        raise ValueError(
+            f"mesh.axes {axes} and mesh.shape {tuple(shape)} differ in length; "
+            "give one size per axis."
+        )
+    if shape.count(-1) > 1:
+        raise ValueError(
+            f"mesh.shape {tuple(shape)} has more than one -1; at most one size is auto."
+        )
+    if any(s < 1 and s != -1 for s in shape):
+        raise ValueError(f"mesh.shape {tuple(shape)} has a size below 1; use positive sizes or -1.")
+    n = len(devices)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if n % known:
+            raise ValueError(
+                f"mesh.shape {tuple(shape)} over axes {axes}: the fixed sizes multiply to {known}, "
+                f"which does not divide the {n} devices; choose sizes whose product divides {n}."
+            )
+        shape[shape.index(-1)] = n // known
+    if math.prod(shape) != n:
+        raise ValueError(
+            f"mesh.shape {tuple(shape)} over axes {axes} needs {math.prod(shape)} devices but "
+            f"{n} are available; make the sizes multiply to {n} (-1 = the rest)."
+        )
+    return jax.make_mesh(
+        tuple(shape), axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices
+    )
+
+
+def _mesh_axes(rule) -> tuple[str, ...]:
+    """A rule's target as a tuple of mesh axis names (None -> ())."""
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def logical_to_mesh(spec: PartitionSpec, rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """A logical PartitionSpec (e.g. ("embed", "mlp")) -> a mesh one (("fsdp", "tensor")).
+
+    Every logical name must have a rule; a mesh axis already used by an earlier dimension is
+    dropped from later ones (that dimension is replicated over it). No shapes are checked here;
+    `param_shardings` / `batch_sharding` / `cache_sharding` also fit the array's shape.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in spec:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ValueError(
+                f"logical axis {name!r} has no sharding rule; add ({name!r}, <mesh axis or None>) "
+                f"to the rules (None replicates it)."
+            )
+        axes = tuple(a for a in _mesh_axes(table[name]) if a not in used)
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*out)
+
+
+def _fit(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> PartitionSpec:
+    """`spec` with each dimension's mesh axes cut to the longest prefix whose size divides it."""
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"sharding spec {spec} has more entries than the array's shape {tuple(shape)}; "
+            "the logical axis names do not match the array."
+        )
+    out = []
+    for dim, entry in zip(shape, spec):
+        axes = _mesh_axes(entry)
+        for a in axes:
+            if a not in mesh.shape:
+                raise ValueError(
+                    f"sharding rule names mesh axis {a!r} but the mesh has axes "
+                    f"{tuple(mesh.axis_names)}; map it to one of those (or None) in the rules."
+                )
+        while axes and dim % math.prod(mesh.shape[a] for a in axes):
+            axes = axes[:-1]
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*out)
+
+
+def named_sharding(mesh: Mesh, logical: PartitionSpec, shape, rules: Rules = DEFAULT_RULES):
+    """NamedSharding of one array of `shape` from its logical axis names (divisibility-checked)."""
+    return NamedSharding(mesh, _fit(mesh, logical_to_mesh(logical, rules), shape))
+
+
+def param_shardings(mesh: Mesh, abstract_params, logical_specs, rules: Rules = DEFAULT_RULES):
+    """NamedShardings shaped like `abstract_params` (arrays or `jax.ShapeDtypeStruct`s), from the
+    logical PartitionSpecs of `logical_specs` (`transformer.logical_axes(cfg)`)."""
+    return jax.tree.map(
+        lambda spec, x: named_sharding(mesh, spec, x.shape, rules),
+        logical_specs,
+        abstract_params,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+
+
+def mirror_shardings(mesh: Mesh, abstract_tree, abstract_params, params_sh):
+    """Shardings of an optimizer state: a leaf whose tree path ends with a parameter's path and
+    has that parameter's shape (Adam's mu / nu, ...) gets the parameter's sharding; every other
+    leaf (step counts, norms, schedule states) is replicated."""
+    table = {
+        tuple(path): (x.shape, sh)
+        for (path, x), sh in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(params_sh)
+        )
+    }
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def pick(path, x):
+        for i in range(len(path)):
+            shape, sh = table.get(tuple(path[i:]), (None, None))
+            if sh is not None and shape == x.shape:
+                return sh
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_tree)
+
+
+def state_shardings(
+    mesh: Mesh,
+    abstract_state,
+    policy_cfg: transformer.ModelConfig,
+    critic_cfg: transformer.ModelConfig | None = None,
+    rules: Rules = DEFAULT_RULES,
+):
+    """Shardings of a whole `jrl.step.TrainState` (`abstract_state = jax.eval_shape(init)`).
+
+    Policy and reference params by the policy's logical axes, critic params by the critic's,
+    optimizer states mirroring their params (`mirror_shardings`); everything else (step, KL
+    coefficient, PRNG key, fields added later) replicated. `policy_cfg` / `critic_cfg` come from
+    `jrl.step.model_configs`.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    out = jax.tree.map(lambda _: replicated, abstract_state)
+    params = param_shardings(
+        mesh, abstract_state.params, transformer.logical_axes(policy_cfg), rules
+    )
+    out = out.replace(
+        params=params,
+        opt_state=mirror_shardings(mesh, abstract_state.opt_state, abstract_state.params, params),
+    )
+    if abstract_state.ref_params is not None:
+        out = out.replace(ref_params=params)
+    if abstract_state.critic_params is not None:
+        if critic_cfg is None:
+            raise ValueError(
+                "the state has critic params but critic_cfg is None; pass the critic's model "
+                "config (jrl.step.model_configs(cfg, model_cfg)[1])."
+            )
+        critic = param_shardings(
+            mesh, abstract_state.critic_params, transformer.logical_axes(critic_cfg), rules
+        )
+        out = out.replace(
+            critic_params=critic,
+            critic_opt_state=mirror_shardings(
+                mesh, abstract_state.critic_opt_state, abstract_state.critic_params, critic
+            ),
+        )
+    return out
+
+
+def batch_sharding(mesh: Mesh, batch_size: int | None = None, rules: Rules = DEFAULT_RULES):
+    """Sharding of [B, ...] arrays (a whole batch dict): rows over the "batch" rule's mesh axes
+    (data, fsdp), the other dims replicated. With `batch_size`, only the mesh axes dividing it."""
+    spec = logical_to_mesh(PartitionSpec("batch"), rules)
+    if batch_size is not None:
+        spec = _fit(mesh, spec, (batch_size,))
+    return NamedSharding(mesh, spec)
+
+
+def cache_sharding(mesh: Mesh, shape: Sequence[int] | None = None, rules: Rules = DEFAULT_RULES):
+    """Sharding of a KV-cache entry [B, S, K, D]: rows over data + fsdp, kv heads over tensor.
+    One sharding serves the whole cache (every layer's "k" and "v"); with `shape`, each dim keeps
+    only the mesh axes that divide it."""
+    spec = logical_to_mesh(CACHE_AXES, rules)
+    if shape is not None:
+        spec = _fit(mesh, spec, shape)
+    return NamedSharding(mesh, spec)
+
+
+def sharded_init(init_fn: Callable, mesh: Mesh, shardings) -> Callable:
+    """`init_fn` compiled to write its outputs straight into `shardings` (each device computes
+    only its shards; no host holds the full result). Call it like `init_fn`."""
+    jitted = jax.jit(init_fn, out_shardings=shardings)
+
+    def init(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return jitted(*args, **kwargs)
+
+    return init
+
+
+def describe(shardings) -> dict[str, str]:
+    """{"path": "PartitionSpec(...)"} of a sharding tree: for logs and debugging."""
+    return {
+        jax.tree_util.keystr(path): str(sh.spec)
+        for path, sh in jax.tree_util.tree_leaves_with_path(shardings)
+    }
+
+
+__all__ = [
+    "CACHE_AXES",
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "batch_sharding",
+    "cache_sharding",
+    "describe",
+    "logical_to_mesh",
+    "make_mesh",
+    "mirror_shardings",
+    "named_sharding",
+    "param_shardings",
+    "sharded_init",
+    "state_shardings",
+]
