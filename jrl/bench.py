@@ -114,15 +114,13 @@ def run(name: str, steps: int = 10) -> dict:
         jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
     )
     key = jax.random.key(1)
-    exp = jax.block_until_ready(generate(state.params, batch, key))
+    exp, _ = jax.block_until_ready(generate(state, batch, key))
     scored, _, _ = jax.block_until_ready(score(state, exp))
-    jax.block_until_ready(update(state.params, state.opt_state, scored, key))
+    jax.block_until_ready(update(state, scored, key))
     phases = {
-        "rollout": _median_seconds(lambda: generate(state.params, batch, key), steps),
-        "scoring_advantages": _median_seconds(lambda: score(state, exp), steps),
-        "update": _median_seconds(
-            lambda: update(state.params, state.opt_state, scored, key), steps
-        ),
+        "rollout_and_reward": _median_seconds(lambda: generate(state, batch, key), steps),
+        "logprobs_and_advantages": _median_seconds(lambda: score(state, exp), steps),
+        "update": _median_seconds(lambda: update(state, scored, key), steps),
     }
     rows = w["prompts"] * w["n"]
     generated = rows * w["new_tokens"]

@@ -10,11 +10,12 @@ that names the field and the fix.
 from __future__ import annotations
 
 import difflib
+import os
 
 import ml_collections
 
 from jrl import data, rewards
-from jrl.algos import advantages, kl, losses
+from jrl.algos import advantages, group_ppo, kl, losses
 from jrl.data import math_data
 
 LOSS_AGG_MODES = (
@@ -40,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
     )
 
     c.model = ml_collections.ConfigDict()
+    c.model.hf_path = (
+        ""  # local HF checkpoint dir (config.json + safetensors); "": the fields below
+    )
     c.model.hidden_size = 64  # width of the residual stream
     c.model.num_layers = 2  # decoder blocks
     c.model.num_heads = 4  # query heads
@@ -53,7 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype (float32 | bfloat16)
     c.model.param_dtype = "float32"  # master-weight dtype
 
-    c.tokenizer = "char"  # "char": the built-in character tokenizer; else a local HF tokenizer dir
+    c.tokenizer = (
+        "char"  # "char": built-in character tokenizer; a local HF tokenizer dir; "": model.hf_path
+    )
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "arithmetic"  # built-in task (jrl.data.TASKS)
@@ -67,12 +73,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.question_field = ""  # question field (dots for nested); "": gsm8k question, math problem
     c.task.answer_field = ""  # ground-truth field; "": gsm8k answer, math solution
     c.task.template = ""  # prompt text with "{question}" (literal braces doubled); "": built-in one
-    c.task.prompt_format = "plain"  # plain: bos + template text | chat: the tokenizer's chat template
+    c.task.prompt_format = (
+        "plain"  # plain: bos + template text | chat: the tokenizer's chat template
+    )
     c.task.system_prompt = ""  # chat only: system message; "": none
     c.task.overlong_prompts = "drop"  # prompts over data.max_prompt_length: drop | truncate | error
     c.task.format_score = 0.0  # gsm8k / math reward: score of a stated but wrong answer
     c.task.gsm8k_fallback = "last_number"  # gsm8k without "####": last_number | none (scores 0)
-    c.task.math_backend = "auto"  # math equivalence: auto (math_verify if installed) | math_verify | sympy
+    c.task.math_backend = (
+        "auto"  # math equivalence: auto (math_verify if installed) | math_verify | sympy
+    )
     c.task.math_timeout_s = 5.0  # math reward: time limit of one answer's symbolic check (over: 0)
     c.task.math_workers = 2  # math reward: answer-checking worker processes
 
@@ -121,13 +131,33 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
 
+    c.algorithm.group_params = ml_collections.ConfigDict()  # GROUP-PPO (docs/algorithms.md)
+    c.algorithm.group_params.group_variance_threshold = (
+        1.0  # initial threshold tau on rho = r_grpo / r_ppo
+    )
+    c.algorithm.group_params.group_max_size = 16  # most tokens per segment (>= 1)
+    c.algorithm.group_params.group_epsilon = 1e-6  # eps in rho (> 0)
+    c.algorithm.group_params.adaptive_threshold = (
+        True  # adapt tau once per step from the critic's explained variance
+    )
+    c.algorithm.group_params.threshold_lr = 0.01  # step size of the log-space tau update
+    c.algorithm.group_params.min_threshold = 0.1  # lower bound on tau
+    c.algorithm.group_params.max_threshold = 10.0  # upper bound on tau
     c.algorithm.filter_groups = ml_collections.ConfigDict()
-    c.algorithm.filter_groups.enable = False  # DAPO dynamic sampling: drop groups whose scores all agree
-    c.algorithm.filter_groups.metric = "acc"  # what must differ within a group: acc (task reward) | score
-    c.algorithm.filter_groups.max_num_gen_batches = 4  # generation rounds (of fresh prompts) per step
+    c.algorithm.filter_groups.enable = (
+        False  # DAPO dynamic sampling: drop groups whose scores all agree
+    )
+    c.algorithm.filter_groups.metric = (
+        "acc"  # what must differ within a group: acc (task reward) | score
+    )
+    c.algorithm.filter_groups.max_num_gen_batches = (
+        4  # generation rounds (of fresh prompts) per step
+    )
 
     c.critic = ml_collections.ConfigDict()
-    c.critic.share_backbone = False  # True: one network, a value head on the policy; False: separate critic
+    c.critic.share_backbone = (
+        False  # True: one network, a value head on the policy; False: separate critic
+    )
     c.critic.lr = 1e-3  # critic learning rate (AdamW)
     c.critic.lr_warmup_steps = 0  # linear warm-up of the critic learning rate, in updates
     c.critic.betas = (0.9, 0.999)  # AdamW betas
@@ -141,11 +171,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict()
     c.reward.overlong_buffer = ml_collections.ConfigDict()
     c.reward.overlong_buffer.enable = False  # DAPO soft overlong punishment of long responses
-    c.reward.overlong_buffer.len = 2  # the last `len` tokens before max_response_length are penalised
+    c.reward.overlong_buffer.len = (
+        2  # the last `len` tokens before max_response_length are penalised
+    )
     c.reward.overlong_buffer.penalty_factor = 1.0  # penalty reached at max_response_length
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 50  # save every K RL steps (always also at the end and on preemption); 0: only those
+    c.checkpoint.every_steps = (
+        50  # save every K RL steps (always also at the end and on preemption); 0: only those
+    )
     c.checkpoint.max_to_keep = 3  # newest checkpoints kept under <workdir>/checkpoints; 0: keep all
     c.checkpoint.async_save = True  # write checkpoints in the background while training goes on
 
@@ -204,6 +238,16 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"of the built-in arithmetic task; set --config.warmup.sft_steps=0 for "
         f"task.name='{cfg.task.name}'.",
     )
+    if cfg.model.hf_path:
+        _check(
+            os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")),
+            f"model.hf_path='{cfg.model.hf_path}' has no config.json; point it at a local "
+            f"Hugging Face checkpoint directory (nothing is downloaded).",
+        )
+    _check(
+        cfg.tokenizer != "" or cfg.model.hf_path,
+        "tokenizer='' means the tokenizer of model.hf_path, which is not set; set one of them.",
+    )
     _check(cfg.total_steps >= 1, f"total_steps={cfg.total_steps} must be >= 1.")
     _check(
         cfg.eval_every >= 0,
@@ -252,6 +296,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         not (cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2),
         "algorithm.filter_groups.enable needs rollout.n >= 2 (groups of one never differ).",
     )
+    try:
+        group_ppo.group_params(cfg.algorithm)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.group_params: {e}") from None
     _choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, LOSS_AGG_MODES)
     _check(cfg.critic.lr >= 0, f"critic.lr={cfg.critic.lr} must be >= 0.")
     _check(

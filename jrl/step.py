@@ -24,6 +24,7 @@ import optax
 
 from jrl import rollout
 from jrl.algos import advantages as adv_lib
+from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses, masked_mean, masked_var
 from jrl.models import transformer
@@ -42,6 +43,7 @@ class TrainState:
     critic_opt_state: Any  # its optimizer state (None likewise)
     ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is used)
     kl_coef: jax.Array  # float32 scalar: beta of KL-in-reward (its controller's state)
+    group_threshold: jax.Array  # float32 scalar: GROUP-PPO's adaptive threshold tau
     key: jax.Array  # PRNG key
 
 
@@ -49,13 +51,9 @@ def needs_reference(cfg: ml_collections.ConfigDict) -> bool:
     return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
-def _needs(estimator: str) -> tuple[str, ...]:
-    return adv_lib._NEEDS[estimator]
-
-
 def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
     """Estimators that take `values` (gae, group_ppo) train a critic."""
-    return "values" in _needs(cfg.algorithm.adv_estimator)
+    return "values" in adv_lib.needs(cfg.algorithm.adv_estimator)
 
 
 def model_configs(cfg, model_cfg: transformer.ModelConfig):
@@ -117,6 +115,7 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
         critic_opt_state=critic_opt_state,
         ref_params=ref,
         kl_coef=jnp.float32(cfg.algorithm.kl_ctrl.kl_coef),
+        group_threshold=group_lib.init_threshold(cfg.algorithm),
         key=key,
     )
 
@@ -151,8 +150,15 @@ def response_outputs(
     return out
 
 
-def response_logprobs(model_cfg, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                      temperature: float = 1.0):
+def response_logprobs(
+    model_cfg,
+    params,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature: float = 1.0,
+):
     """log pi(y_t | prompt, y_<t) [B, R] (see `response_outputs`)."""
     return response_outputs(
         model_cfg, params, prompt_ids, prompt_mask, response_ids, response_mask, temperature
@@ -222,8 +228,8 @@ def make_phases(
       generate(state, prompts, key) -> (experience, metrics)
           rollout of B = B_p * n rows and its reward (`scores` [B]); with dynamic sampling, rounds
           of fresh prompts until B_p groups with signal are found (`lax.while_loop`)
-      score(state, experience) -> (experience, metrics, kl_coef)
-          old / ref log-probs, values, KL in the reward, advantages and returns
+      score(state, experience) -> (experience, metrics, state with the next kl_coef / threshold)
+          old / ref log-probs, values, KL in the reward, advantages, returns, critic mask
       update(state, experience, key) -> (state, metrics)
           ppo_epochs x shuffled minibatches (`lax.scan`) of policy and critic updates
 
@@ -235,7 +241,7 @@ def make_phases(
     _, critic_cfg = model_configs(cfg, model_cfg)
     use_critic, shared = needs_critic(cfg), needs_critic(cfg) and critic_cfg is None
     use_ref = needs_reference(cfg)
-    needs_baseline = "reward_baselines" in _needs(algo.adv_estimator)
+    needs_baseline = "reward_baselines" in adv_lib.needs(algo.adv_estimator)
     overlong = cfg.reward.overlong_buffer
     filter_groups = algo.filter_groups
     tx, critic_tx = make_optimizer(actor), make_optimizer(critic)
@@ -264,8 +270,13 @@ def make_phases(
             )
         if needs_baseline:  # ReMax: the reward of a greedy rollout of the same prompt
             greedy = rollout.generate(
-                model_cfg, params, prompts["input_ids"], prompts["attention_mask"], key,
-                **{**sample, "temperature": 1.0}, greedy=True,
+                model_cfg,
+                params,
+                prompts["input_ids"],
+                prompts["attention_mask"],
+                key,
+                **{**sample, "temperature": 1.0},
+                greedy=True,
             )
             base = reward_fn(prompts, greedy.response_ids, greedy.response_mask, eos_id=eos_id)
             exp["reward_baselines"] = jnp.repeat(base, n)
@@ -296,9 +307,7 @@ def make_phases(
             keep = signal(new)
             dest = jnp.where(keep, filled + jnp.cumsum(keep) - 1, b_p)  # b_p: dropped
             dest_rows = (dest[:, None] * n + jnp.arange(n)).reshape(-1)
-            buf = jax.tree_util.tree_map(
-                lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new
-            )
+            buf = jax.tree_util.tree_map(lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new)
             return i + 1, jnp.minimum(filled + jnp.sum(keep), b_p), buf
 
         i, filled, buf = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.sum(keep), buf))
@@ -314,8 +323,14 @@ def make_phases(
 
     def forward(model, params, exp, with_entropy=False):
         return response_outputs(
-            model, params, exp["input_ids"], exp["attention_mask"], exp["response_ids"],
-            exp["response_mask"], roll_cfg.temperature, with_entropy,
+            model,
+            params,
+            exp["input_ids"],
+            exp["attention_mask"],
+            exp["response_ids"],
+            exp["response_mask"],
+            roll_cfg.temperature,
+            with_entropy,
         )
 
     def score(state: TrainState, exp: Batch):
@@ -328,37 +343,47 @@ def make_phases(
                 forward(model_cfg, state.ref_params, exp)["log_prob"]
             )
         if use_critic:
-            values = old["values"] if shared else forward(critic_cfg, state.critic_params, exp)[
-                "values"]
+            values = (
+                old["values"] if shared else forward(critic_cfg, state.critic_params, exp)["values"]
+            )
             exp["values"] = jax.lax.stop_gradient(values) * mask
         metrics = {}
         token_level_scores = last_token_scores(exp["scores"], mask)
         token_level_rewards, kl_coef = token_level_scores, state.kl_coef
         if algo.use_kl_in_reward:
             token_level_rewards, kl_metrics = kl_lib.apply_kl_penalty(
-                token_level_scores, exp["old_log_prob"], exp["ref_log_prob"], mask,
-                state.kl_coef, algo.kl_penalty,
+                token_level_scores,
+                exp["old_log_prob"],
+                exp["ref_log_prob"],
+                mask,
+                state.kl_coef,
+                algo.kl_penalty,
             )
             metrics.update(kl_metrics)
             kl_coef = kl_lib.kl_ctrl_update(
                 state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b, algo
             )
-        advantages, returns = adv_lib.compute(
+        adv = adv_lib.compute_full(
             algo.adv_estimator,
             token_level_rewards=token_level_rewards,
             response_mask=mask,
             index=jnp.arange(b, dtype=jnp.int32) // n,  # the prompt (group) of each row
             values=exp.get("values"),
             reward_baselines=exp.get("reward_baselines"),
+            old_log_prob=exp["old_log_prob"],
+            threshold=state.group_threshold,
             config=algo,
         )
+        metrics.update(adv["metrics"])
         exp.update(
             token_level_rewards=token_level_rewards,
-            advantages=advantages,
-            returns=returns,
-            critic_mask=mask,
+            advantages=adv["advantages"],
+            returns=adv["returns"],
+            critic_mask=adv[
+                "critic_mask"
+            ],  # where the value loss applies (GROUP-PPO: segment starts)
         )
-        return exp, metrics, kl_coef
+        return exp, metrics, state.replace(kl_coef=kl_coef, group_threshold=adv["next_threshold"])
 
     def policy_terms(out, mb):
         """Policy loss (+ KL loss - entropy bonus) of a minibatch from the forward `out`."""
@@ -384,8 +409,12 @@ def make_phases(
 
     def value_terms(out, mb):
         vf_loss, vf_clipfrac = losses.value_loss(
-            out["values"], mb["returns"], mb["values"], mb["critic_mask"],
-            critic.cliprange_value, critic.loss_agg_mode,
+            out["values"],
+            mb["returns"],
+            mb["values"],
+            mb["critic_mask"],
+            critic.cliprange_value,
+            critic.loss_agg_mode,
         )
         metrics = {
             "critic/vf_loss": vf_loss,
@@ -413,8 +442,9 @@ def make_phases(
         grads, metrics = jax.grad(actor_loss, has_aux=True)(state.params, mb, actor_on)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics["actor/grad_norm"] = optax.tree.norm(grads)
-        state = state.replace(params=optax.apply_updates(state.params, updates),
-                              opt_state=opt_state)
+        state = state.replace(
+            params=optax.apply_updates(state.params, updates), opt_state=opt_state
+        )
         if use_critic and not shared:
             grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(state.critic_params, mb)
             updates, critic_opt = critic_tx.update(
@@ -429,8 +459,14 @@ def make_phases(
         return (state, actor_on), metrics
 
     def update(state: TrainState, exp: Batch, key):
-        keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "old_log_prob",
-                "advantages"]
+        keys = [
+            "input_ids",
+            "attention_mask",
+            "response_ids",
+            "response_mask",
+            "old_log_prob",
+            "advantages",
+        ]
         keys += ["ref_log_prob"] if use_ref else []
         keys += ["values", "returns", "critic_mask"] if use_critic else []
         data = {k: exp[k] for k in keys}
@@ -473,16 +509,16 @@ def make_step(
     def step(state: TrainState, prompts: Batch):
         key, k_roll, k_shuffle = jax.random.split(state.key, 3)
         exp, metrics = generate(state, prompts, k_roll)
-        exp, score_metrics, kl_coef = score(state, exp)
+        exp, score_metrics, scored_state = score(state, exp)
         metrics.update(score_metrics)
-        new_state, update_metrics = update(state, exp, k_shuffle)
+        new_state, update_metrics = update(scored_state, exp, k_shuffle)
         metrics.update(update_metrics)
         metrics.update(experience_metrics(exp, max_new_tokens))
         first_update = state.step * updates_per_step(cfg)  # the lr of this step's first update
         metrics["actor/lr"] = actor_lr(first_update)
         if "values" in exp:
             metrics["critic/lr"] = critic_lr(first_update)
-        new_state = new_state.replace(step=state.step + 1, kl_coef=kl_coef, key=key)
+        new_state = new_state.replace(step=state.step + 1, key=key)
         return new_state, metrics
 
     return step
@@ -501,8 +537,7 @@ def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     metrics.update(_stats("critic/returns", exp["returns"], mask))
     if "values" in exp:
         metrics.update(_stats("critic/values", exp["values"], mask))
-        metrics["critic/vf_explained_var"] = explained_variance(exp["returns"], exp["values"],
-                                                                mask)
+        metrics["critic/vf_explained_var"] = explained_variance(exp["returns"], exp["values"], mask)
     metrics.update(_stats("response_length", length.astype(jnp.float32)))
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
     metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)

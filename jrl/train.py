@@ -13,6 +13,7 @@ committed checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from ml_collections import config_flags
 
 from jrl import checkpoint as checkpoint_lib
 from jrl import config as config_lib
-from jrl import data, rewards, step as step_lib, tokenizer as tokenizer_lib
+from jrl import data, models, rewards, step as step_lib, tokenizer as tokenizer_lib
 from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import transformer
 
@@ -48,9 +49,24 @@ _FRESH = flags.DEFINE_bool(
 
 
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
-    fields = dict(cfg.model)
+    """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`)."""
+    if cfg.model.hf_path:
+        with open(os.path.join(cfg.model.hf_path, "config.json")) as f:
+            hf_cfg = models.model_config_from_hf(json.load(f), dtype=cfg.model.param_dtype)
+        return dataclasses.replace(hf_cfg, dtype=cfg.model.dtype)
+    fields = {k: v for k, v in cfg.model.items() if k != "hf_path"}
     fields["head_dim"] = fields["head_dim"] or None
     return transformer.ModelConfig(vocab_size=vocab_size, **fields)
+
+
+def initial_params(cfg, model_cfg: transformer.ModelConfig, key):
+    """Fresh parameters, or the HF checkpoint's; parts the checkpoint lacks (a value head on a
+    shared backbone) are freshly initialised."""
+    fresh = transformer.init_params(model_cfg, key)
+    if not cfg.model.hf_path:
+        return fresh
+    _, loaded = models.load_pretrained(cfg.model.hf_path, dtype=cfg.model.param_dtype)
+    return {**fresh, **loaded}
 
 
 def reward_options(cfg) -> dict:
@@ -69,7 +85,7 @@ def reward_options(cfg) -> dict:
 
 def build(cfg):
     """Tokenizer, task, reward function and the policy's model config of a run."""
-    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer)
+    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
     t = cfg.task
     common = dict(
         seed=cfg.seed,
@@ -96,6 +112,12 @@ def build(cfg):
         )
     reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
     policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
+    if len(tok) > policy_cfg.vocab_size:
+        raise config_lib.ConfigError(
+            f"the tokenizer has {len(tok)} tokens but the model's vocabulary has "
+            f"{policy_cfg.vocab_size}; use the model's own tokenizer (--config.tokenizer='') or a "
+            f"model with a vocabulary of at least {len(tok)}."
+        )
     return tok, task, reward_fn, policy_cfg
 
 
@@ -153,7 +175,7 @@ def run(cfg, workdir: str) -> dict:
     abstract = jax.eval_shape(lambda: init(transformer.init_params(model_cfg, key_init)))
     resumed = ckpt.restore_latest(abstract)
     if resumed is None:
-        params = transformer.init_params(model_cfg, key_init)
+        params = initial_params(cfg, model_cfg, key_init)
         t0 = time.perf_counter()
         if cfg.warmup.sft_steps:
             params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
@@ -244,12 +266,12 @@ def main(argv):
     )
     try:
         config_lib.validate(cfg)
+        if _FRESH.value:
+            start_fresh(workdir)
+        final = run(cfg, workdir)  # raises ConfigError only before anything is written
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if _FRESH.value:
-        start_fresh(workdir)
-    final = run(cfg, workdir)
     print(
         json.dumps(
             {

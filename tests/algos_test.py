@@ -753,6 +753,8 @@ def all_outputs(x, mask):
             index=INDEX,
             values=x["values"],
             reward_baselines=jnp.array([0.1, 0.2, 0.3, 0.4]),
+            old_log_prob=x["old"],
+            threshold=1.0,
             config=cfg,
         )
     for name in loss_lib.policy_loss_names():
