@@ -1,0 +1,263 @@
+"""Export a run's policy as a Hugging Face checkpoint.
+
+  python -m jrl.export --workdir=DIR [--step=N] --out=HF_DIR [--overwrite] [--dtype=bfloat16]
+
+Reads the config the checkpoint was written with (`extra["config"]` of checkpoint N, else
+`DIR/config.json`; `--config=configs/X.py` replaces it), restores the policy params of checkpoint
+N (default: the newest one that reads back) and writes HF_DIR: config.json, model.safetensors, the
+tokenizer's files (the built-in character tokenizer too) and generation_config.json, which
+`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` and `jrl.models.load_pretrained` load.
+A value head (a critic sharing the policy's backbone) is left out. HF_DIR must be new or empty;
+`--overwrite` replaces its contents. The export is written to a temporary directory next to
+HF_DIR and moved into place once complete.
+
+Exit status: 0 done; 2 bad arguments (a workdir without checkpoints, a step that is not saved, a
+non-empty HF_DIR without --overwrite, ...), with a one-line message on stderr.
+
+The functions here (`load_config`, `restore_params`, `policy_model`) are shared with jrl/eval.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from etils import epath
+
+from jrl import checkpoint as checkpoint_lib
+from jrl import config as config_lib
+from jrl import models, train
+from jrl import step as step_lib
+from jrl import tokenizer as tokenizer_lib
+from jrl.models import transformer
+
+FLAGS = flags.FLAGS
+
+
+class ExportError(ValueError):
+    """A workdir, step or output directory that cannot be used; the message names the fix."""
+
+
+# ------------------------------------------------------------------------------ the run's config
+
+
+def _fill_defaults(cfg: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+    """Adds the fields of `defaults` that `cfg` lacks (configs saved before a field existed)."""
+    for name, value in defaults.items():
+        if name not in cfg:
+            cfg[name] = value
+        elif isinstance(value, ml_collections.ConfigDict) and isinstance(
+            cfg[name], ml_collections.ConfigDict
+        ):
+            _fill_defaults(cfg[name], value)
+
+
+def config_from_json(fields: dict) -> ml_collections.ConfigDict:
+    """The ConfigDict of a saved config (`cfg.to_json_best_effort()`), with the fields added to
+    jrl since it was saved at their defaults."""
+    cfg = ml_collections.ConfigDict(fields)
+    _fill_defaults(cfg, config_lib.base_config())
+    return cfg
+
+
+def _checkpoint_steps(workdir: str) -> list[int]:
+    """Committed checkpoint steps under `workdir/checkpoints`, oldest first; [] when none."""
+    directory = epath.Path(workdir) / checkpoint_lib.CHECKPOINTS_DIR
+    if not directory.exists():
+        return []
+    with _checkpointer(workdir) as ckpt:
+        return ckpt.all_steps()
+
+
+def _checkpointer(workdir: str) -> checkpoint_lib.Checkpointer:
+    """A Checkpointer that only reads (keeps every checkpoint, saves nothing by itself)."""
+    return checkpoint_lib.Checkpointer(workdir, every_steps=0, max_to_keep=0, async_save=False)
+
+
+def check_step(workdir: str, step: int | None) -> list[int]:
+    """The workdir's checkpoint steps; raises ExportError when there are none or `step` is not
+    one of them."""
+    steps = _checkpoint_steps(workdir)
+    if not steps:
+        raise ExportError(
+            f"workdir {workdir} has no checkpoints (nothing committed under "
+            f"{os.path.join(workdir, checkpoint_lib.CHECKPOINTS_DIR)}); pass the --workdir of a "
+            "run that saved one."
+        )
+    if step is not None and step not in steps:
+        raise ExportError(
+            f"step {step} is not among the checkpoints of {workdir} (available: "
+            f"{', '.join(map(str, steps))}); pass one of them, or leave --step out for the newest."
+        )
+    return steps
+
+
+def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
+    """The config checkpoint `step` (default: the newest) was written with: its
+    `extra["config"]`, else `workdir/config.json` (the last run's config)."""
+    steps = check_step(workdir, step)
+    step = steps[-1] if step is None else step
+    extra_dir = epath.Path(workdir) / checkpoint_lib.CHECKPOINTS_DIR / str(step) / "extra"
+    saved = None
+    try:
+        extra = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(extra_dir)
+        saved = (extra or {}).get("config")
+    except Exception as e:  # noqa: BLE001 - an unreadable extra item: fall back to config.json
+        logging.warning("Could not read %s (%s); using config.json.", extra_dir, e)
+    if saved is None:
+        path = epath.Path(workdir) / "config.json"
+        if not path.exists():
+            raise ExportError(
+                f"checkpoint {step} of {workdir} records no config and {path} is missing; pass "
+                "the run's config with --config=configs/X.py."
+            )
+        saved = json.loads(path.read_text())
+    return config_from_json(saved)
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+def policy_model(cfg) -> tuple:
+    """(tokenizer, policy model config) of a run; unlike `train.build` it needs no data files."""
+    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
+    model_cfg, _ = step_lib.model_configs(cfg, train.model_config(cfg, len(tok)))
+    return tok, model_cfg
+
+
+def abstract_state(cfg, model_cfg: transformer.ModelConfig) -> step_lib.TrainState:
+    """The run's train state as shapes (as jrl.train.run makes it), without the reference
+    params (they are not needed to export or evaluate the policy)."""
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    state = jax.eval_shape(
+        lambda: step_lib.init_state(
+            cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
+        )
+    )
+    return state.replace(ref_params=None)
+
+
+def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None = None):
+    """(policy params, step) of checkpoint `step` of `workdir`; default: the newest checkpoint
+    that reads back (unreadable newer ones are skipped with a warning)."""
+    check_step(workdir, step)
+    target = abstract_state(cfg, model_cfg)
+    with _checkpointer(workdir) as ckpt:
+        if step is None:
+            state, _, step = ckpt.restore_latest(target)
+        else:
+            where = str(ckpt.directory / str(step))
+            try:
+                # Checkpointer has no public restore of a given step; this is restore_latest's.
+                state, _ = ckpt._restore_step(ckpt._manager, step, "state", target, where)
+            except checkpoint_lib.CheckpointError:
+                raise
+            except Exception as e:
+                first = str(e).splitlines()[0][:300] if str(e) else ""
+                raise ExportError(
+                    f"checkpoint {where} does not read back ({type(e).__name__}: {first}); pick "
+                    "another --step."
+                ) from e
+    return state.params, int(step)
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def _check_out(out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ExportError(f"--out={out_dir} is a file; pass a directory path.")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ExportError(
+            f"--out={out_dir} is not empty; pass a new directory, or --overwrite to replace its "
+            "contents."
+        )
+
+
+def export(
+    workdir: str,
+    out_dir: str,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    cfg: ml_collections.ConfigDict | None = None,
+) -> int:
+    """Writes the policy of checkpoint `step` (default: newest readable) of `workdir` as a
+    Hugging Face checkpoint in `out_dir` (weights in `dtype`, default the model's param dtype).
+    `cfg` replaces the config saved in the workdir. Returns the exported step."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    _check_out(out_dir, overwrite)
+    if cfg is None:
+        cfg = load_config(workdir, step)
+    config_lib.validate(cfg)
+    tok, model_cfg = policy_model(cfg)
+    # A value head (a critic sharing the backbone) is left out by save_pretrained.
+    params, step = restore_params(workdir, cfg, model_cfg, step)
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
+    try:
+        models.save_pretrained(model_cfg, params, tmp, tokenizer=tok, dtype=dtype or None)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return step
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _define_flags() -> None:
+    """This CLI's own flags. `--workdir` and `--config` are jrl.train's (registered when it is
+    imported): the run's directory and, optionally, a config file replacing the saved one."""
+    flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the newest readable.")
+    flags.DEFINE_string("out", None, "Output directory of the Hugging Face checkpoint.")
+    flags.DEFINE_bool("overwrite", False, "Replace the contents of a non-empty --out.")
+    flags.DEFINE_string(
+        "dtype", "", "Weight dtype of the export (float32 | bfloat16); '': the model's."
+    )
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.workdir:
+        _fail("--workdir is required: the directory of the run to export.")
+    if not FLAGS.out:
+        _fail("--out is required: the directory to write the Hugging Face checkpoint to.")
+    if FLAGS.dtype not in ("", "float32", "bfloat16"):
+        _fail(f"--dtype={FLAGS.dtype} is not supported; pass float32 or bfloat16.")
+    try:
+        step = export(
+            FLAGS.workdir,
+            FLAGS.out,
+            step=FLAGS.step,
+            overwrite=FLAGS.overwrite,
+            dtype=FLAGS.dtype or None,
+            cfg=FLAGS.config,
+        )
+    except ValueError as e:  # ExportError, CheckpointError, ConfigError, unsupported models
+        _fail(str(e))
+    print(json.dumps({"workdir": FLAGS.workdir, "step": step, "out": os.path.abspath(FLAGS.out)}))
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
