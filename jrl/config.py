@@ -176,6 +176,20 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.reward.overlong_buffer.penalty_factor = 1.0  # penalty reached at max_response_length
 
+    c.nan_guard = ml_collections.ConfigDict()
+    c.nan_guard.enable = (
+        True  # skip (do not apply) a step whose reward, loss or gradients are not finite
+    )
+    c.nan_guard.max_consecutive = 3  # stop the run after this many skipped steps in a row
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.axes = (
+        "data",
+        "fsdp",
+        "tensor",
+    )  # mesh axis names (jrl.sharding.DEFAULT_RULES map logical axes onto them)
+    c.mesh.shape = (-1, 1, 1)  # devices per mesh axis; -1: all the devices the other axes leave
+
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = (
         50  # save every K RL steps (always also at the end and on preemption); 0: only those
@@ -318,5 +332,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         cfg.checkpoint.max_to_keep >= 0,
         f"checkpoint.max_to_keep={cfg.checkpoint.max_to_keep} must be >= 0 (0: keep all).",
+    )
+    _check(
+        cfg.nan_guard.max_consecutive >= 1,
+        f"nan_guard.max_consecutive={cfg.nan_guard.max_consecutive} must be >= 1.",
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")

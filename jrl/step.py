@@ -44,6 +44,7 @@ class TrainState:
     ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is used)
     kl_coef: jax.Array  # float32 scalar: beta of KL-in-reward (its controller's state)
     group_threshold: jax.Array  # float32 scalar: GROUP-PPO's adaptive threshold tau
+    skipped_steps: jax.Array  # int32 scalar: steps not applied because something was not finite
     key: jax.Array  # PRNG key
 
 
@@ -116,6 +117,7 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
         ref_params=ref,
         kl_coef=jnp.float32(cfg.algorithm.kl_ctrl.kl_coef),
         group_threshold=group_lib.init_threshold(cfg.algorithm),
+        skipped_steps=jnp.int32(0),
         key=key,
     )
 
@@ -204,6 +206,17 @@ def _stats(name, x, mask=None):
 
 def _select(pred, on_true, on_false):
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+# Quantities whose non-finite value makes the NaN guard skip a step (in this order of blame).
+GUARDED_METRICS = (
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+)
 
 
 def prompts_per_step(cfg: ml_collections.ConfigDict) -> int:
@@ -518,7 +531,16 @@ def make_step(
         metrics["actor/lr"] = actor_lr(first_update)
         if "values" in exp:
             metrics["critic/lr"] = critic_lr(first_update)
-        new_state = new_state.replace(step=state.step + 1, key=key)
+        # NaN / Inf guard: a step whose reward, loss or gradients are not finite is not applied.
+        finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
+        ok = jnp.all(jnp.stack(list(finite.values())))
+        if cfg.nan_guard.enable:
+            new_state = _select(ok, new_state, state)
+        metrics.update({f"training/finite/{k}": v.astype(jnp.int32) for k, v in finite.items()})
+        metrics["training/step_skipped"] = (~ok).astype(jnp.int32)
+        skipped = state.skipped_steps + (~ok).astype(jnp.int32)
+        metrics["training/skipped_steps"] = skipped
+        new_state = new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key)
         return new_state, metrics
 
     return step

@@ -8,7 +8,8 @@ batches, writes metrics and saves checkpoints.
 Exit status: 0 done; 2 bad config or arguments (nothing written); 42 preempted (SIGTERM / SIGINT /
 TPU preemption notice: the step finished and a checkpoint was written; rerun with the same
 --workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
-committed checkpoint).
+committed checkpoint); 3 stopped by the NaN guard (nan_guard.max_consecutive non-finite steps in
+a row, or one with the guard off; the message names the quantity).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ml_collections import config_flags
 
 from jrl import checkpoint as checkpoint_lib
 from jrl import config as config_lib
-from jrl import data, models, rewards, step as step_lib, tokenizer as tokenizer_lib
+from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
 from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import transformer
 
@@ -142,6 +143,31 @@ def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
     return params, steps, accuracy
 
 
+class NonFiniteError(RuntimeError):
+    """The run stopped because steps kept producing non-finite values."""
+
+
+def check_finite(cfg, metrics: dict, consecutive: int) -> int:
+    """Counts consecutive skipped steps; raises NonFiniteError naming the first bad quantity when
+    the guard is off or `nan_guard.max_consecutive` steps in a row were skipped."""
+    if not metrics["training/step_skipped"]:
+        return 0
+    bad = [k for k in step_lib.GUARDED_METRICS if metrics.get(f"training/finite/{k}") == 0]
+    consecutive += 1
+    step = metrics["step"]
+    if not cfg.nan_guard.enable:
+        raise NonFiniteError(f"step {step}: {bad[0]} is not finite (nan_guard is off).")
+    logging.warning(
+        "step %d skipped: %s not finite (%d in a row)", step, ", ".join(bad), consecutive
+    )
+    if consecutive >= cfg.nan_guard.max_consecutive:
+        raise NonFiniteError(
+            f"stopped at step {step}: {consecutive} steps in a row were skipped because {bad[0]} "
+            f"was not finite; check the reward, lower actor.lr, or resume from a checkpoint."
+        )
+    return consecutive
+
+
 def _trim_metrics(workdir: str, last_step: int) -> None:
     """On resume, drop metrics.jsonl rows of steps after the checkpoint (they are redone)."""
     path = os.path.join(workdir, "metrics.jsonl")
@@ -156,6 +182,10 @@ def run(cfg, workdir: str) -> dict:
     """Trains (or resumes); returns the last step's metrics (with the final eval)."""
     config_lib.validate(cfg)
     tok, task, reward_fn, model_cfg = build(cfg)
+    try:
+        mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(cfg.to_json_best_effort(indent=2))
@@ -173,7 +203,15 @@ def run(cfg, workdir: str) -> dict:
         async_save=cfg.checkpoint.async_save,
     )
     abstract = jax.eval_shape(lambda: init(transformer.init_params(model_cfg, key_init)))
-    resumed = ckpt.restore_latest(abstract)
+    state_sh = sharding.state_shardings(
+        mesh, abstract, model_cfg, step_lib.model_configs(cfg, model_cfg)[1]
+    )
+    batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
+    resumed = ckpt.restore_latest(
+        jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+        )
+    )
     if resumed is None:
         params = initial_params(cfg, model_cfg, key_init)
         t0 = time.perf_counter()
@@ -185,12 +223,17 @@ def run(cfg, workdir: str) -> dict:
                 time.perf_counter() - t0,
                 acc,
             )
-        state, start = init(params), 0
+        state, start = sharding.sharded_init(init, mesh, state_sh)(params), 0
     else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
         state, extra, start = resumed
         logging.info("resumed from %s at step %d", ckpt.directory, start)
         _trim_metrics(workdir, start)
-    step_fn = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
+    step_fn = jax.jit(
+        step_lib.make_step(cfg, model_cfg, reward_fn, **ids),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, None),
+        donate_argnums=0,
+    )
     eval_batch = task.eval_batch()
     evaluate = lambda params: to_python(eval_fn(params, eval_batch))
 
@@ -211,9 +254,10 @@ def run(cfg, workdir: str) -> dict:
         "val/accuracy_first": first_accuracy,
         "config": config_json,
     }
+    consecutive_skips = 0
     with checkpoint_lib.PreemptionGuard() as guard:
         for i in range(start, cfg.total_steps):
-            batch = task.train_batch(i, step_lib.prompts_per_step(cfg))
+            batch = jax.device_put(task.train_batch(i, step_lib.prompts_per_step(cfg)), batch_sh)
             t = time.perf_counter()
             state, metrics = step_fn(state, batch)
             metrics = to_python(jax.device_get(metrics))
@@ -226,6 +270,7 @@ def run(cfg, workdir: str) -> dict:
                 bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
             writer.write(done, metrics)
             bar.update(metrics)
+            consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
             ckpt.maybe_save(done, state, extra(done))
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
                 ckpt.save(done, state, extra(done))
@@ -272,6 +317,9 @@ def main(argv):
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     print(
         json.dumps(
             {

@@ -1,0 +1,71 @@
+"""NaN / Inf guard: a step with a non-finite reward is not applied, is counted, and K such steps in
+a row stop the run with a message naming the quantity."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import rewards
+from jrl import step as step_lib
+from jrl import train
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs import grpo_math  # noqa: E402
+
+
+def nan_reward(batch, response_ids, response_mask, *, eos_id):
+    return jnp.full(response_ids.shape[:1], jnp.nan, jnp.float32)
+
+
+@pytest.fixture
+def cfg(monkeypatch):
+    monkeypatch.setitem(rewards.REWARDS, "nan_reward", nan_reward)
+    c = grpo_math.get_config("tiny")
+    c.task.reward = "nan_reward"
+    c.warmup.sft_steps = 0
+    c.total_steps = 6
+    c.nan_guard.max_consecutive = 3
+    return c
+
+
+def test_nan_reward_steps_are_skipped_counted_and_stop_the_run(cfg, tmp_path):
+    with pytest.raises(
+        train.NonFiniteError, match=r"stopped at step 3: 3 steps in a row .*critic/score/mean"
+    ):
+        train.run(cfg, str(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
+    assert [r["training/skipped_steps"] for r in rows] == [1, 2, 3]
+    assert all(r["training/step_skipped"] == 1 for r in rows)
+    assert all(r["training/finite/critic/score/mean"] == 0 for r in rows)
+
+
+def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    params = train.initial_params(cfg, model_cfg, jax.random.key(0))
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    step = jax.jit(
+        step_lib.make_step(
+            cfg,
+            model_cfg,
+            reward_fn,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            max_new_tokens=task.max_response_length,
+        )
+    )
+    new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
+    assert int(metrics["training/step_skipped"]) == 1 and int(new.step) == 1
+    after = jax.tree.map(np.asarray, (new.params, new.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_guard_off_stops_at_the_first_bad_step(cfg, tmp_path):
+    cfg.nan_guard.enable = False
+    with pytest.raises(train.NonFiniteError, match=r"step 1: critic/score/mean is not finite"):
+        train.run(cfg, str(tmp_path))
