@@ -85,7 +85,18 @@ def reward_options(cfg) -> dict:
 
 
 def build(cfg):
-    """Tokenizer, task, reward function and the policy's model config of a run."""
+    """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
+    missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
+    with the loader's one-line message, before anything compiles."""
+    try:
+        return _build(cfg)
+    except (ValueError, OSError) as e:
+        if isinstance(e, config_lib.ConfigError):
+            raise
+        raise config_lib.ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from e
+
+
+def _build(cfg):
     tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
     t = cfg.task
     common = dict(
