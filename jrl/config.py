@@ -110,6 +110,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.clip_ratio_low = 0.2  # lower clip: ratio >= 1 - clip_ratio_low
     c.actor.clip_ratio_high = 0.2  # upper clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28)
     c.actor.clip_ratio_c = 3.0  # dual-clip bound for negative advantages (> 1)
+    c.actor.loss_scale_factor = 0.0  # seq-mean-token-sum-norm divisor; 0: the padded response length R
+    c.actor.tau_pos = 1.0  # sapo: temperature of the soft gate for positive advantages
+    c.actor.tau_neg = 1.05  # sapo: temperature of the soft gate for negative advantages
+    c.actor.clip_cov_ratio = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
+    c.actor.clip_cov_lb = 1.0  # clip_cov: lower covariance bound of candidate tokens
+    c.actor.clip_cov_ub = 5.0  # clip_cov: upper covariance bound of candidate tokens
+    c.actor.kl_cov_ratio = 0.0002  # kl_cov: fraction of tokens given the KL penalty
+    c.actor.ppo_kl_coef = 0.1  # kl_cov: weight of that penalty
     c.actor.loss_agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss

@@ -138,7 +138,7 @@ def policy_loss(
         agg_loss,
         loss_mask=mask,
         loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=config.get("loss_scale_factor", None),
+        loss_scale_factor=config.get("loss_scale_factor", None) or None,  # 0 / None: T
     )
     loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
