@@ -102,11 +102,12 @@ def test_sigterm_saves_the_step_reached_and_exits_42(reference_run, tmp_path):
 
 def test_truncated_newest_checkpoint_falls_back_to_previous(reference_run, tmp_path):
     _train(tmp_path, "--config.total_steps=4")
-    newest = tmp_path / "checkpoints" / "4"
-    files = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs]
-    biggest = max(files, key=os.path.getsize)
-    with open(biggest, "r+b") as f:
-        f.truncate(os.path.getsize(biggest) // 2)
+    newest = tmp_path / "checkpoints" / "4" / "state"
+    for d, _, files in os.walk(newest):  # cut every file of the saved state in half
+        for f in files:
+            path = os.path.join(d, f)
+            with open(path, "r+b") as fh:
+                fh.truncate(os.path.getsize(path) // 2)
     err = _train(tmp_path)
     assert "checkpoints/4" in err  # the warning names the skipped checkpoint
     assert "resumed from" in err and "at step 3" in err
