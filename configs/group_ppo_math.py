@@ -12,7 +12,7 @@ from configs import ppo_math
 
 def get_config(arg: str | None = None):
     c = ppo_math.get_config(arg)
-    c.algorithm.adv_estimator = "group_ppo"  # segments share one advantage; critic at segment starts
+    c.algorithm.adv_estimator = "group_ppo"  # one advantage per segment, critic at its start
     g = c.algorithm.group_params
     g.group_variance_threshold = 1.0  # initial threshold tau on rho = r_grpo / r_ppo
     g.group_max_size = 16  # most tokens per segment
