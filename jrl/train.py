@@ -192,6 +192,8 @@ def _trim_metrics(workdir: str, last_step: int) -> None:
 def run(cfg, workdir: str) -> dict:
     """Trains (or resumes); returns the last step's metrics (with the final eval)."""
     config_lib.validate(cfg)
+    if "://" not in workdir:
+        workdir = os.path.abspath(workdir)  # orbax needs absolute paths
     tok, task, reward_fn, model_cfg = build(cfg)
     try:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
