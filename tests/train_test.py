@@ -54,7 +54,8 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
     monkeypatch.setattr(step_lib, "make_step", counting_make_step)
     cfg = grpo_math.get_config("tiny")
     cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
-    final = train.run(cfg, str(tmp_path))
+    monkeypatch.chdir(tmp_path.parent)
+    final = train.run(cfg, tmp_path.name)  # a relative workdir, like the default runs/<config>/<time>
     assert len(traces) == 1, f"the fused step was traced {len(traces)} times in 3 steps"
 
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
