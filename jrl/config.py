@@ -218,6 +218,31 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf field as a dotted path ("rollout.n", "algorithm.kl_ctrl.type", ...)."""
+    keys = []
+    for k, v in cfg.items():
+        if isinstance(v, ml_collections.ConfigDict):
+            keys += flat_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def unknown_override(cfg: ml_collections.ConfigDict, argv) -> str | None:
+    """The one-line error for the first `--config.a.b=v` in argv that names no field, else None."""
+    keys = flat_keys(cfg)
+    for arg in argv:
+        if arg.startswith("--config.") and "=" in arg:
+            key = arg[len("--config.") : arg.index("=")]
+            if key not in keys:
+                return (
+                    f"unknown config field '{key}'{_suggest(key, keys)}; the fields are listed "
+                    f"(with a comment each) in jrl/config.py and the config file."
+                )
+    return None
+
+
 def _suggest(value, valid) -> str:
     close = difflib.get_close_matches(str(value), list(valid), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""

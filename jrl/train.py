@@ -15,6 +15,7 @@ a row, or one with the guard off; the message names the quantity).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -344,5 +345,30 @@ def main(argv):
     )
 
 
+def _load_config_file(spec: str):
+    """The ConfigDict of `--config=path.py[:arg]` (to explain a bad override)."""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_jrl_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def parse_flags(argv):
+    """absl flag parsing, with a one-line error (exit 2) for an override of an unknown field."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError) as e:
+        spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+        message = None
+        if spec:
+            try:
+                message = config_lib.unknown_override(_load_config_file(spec), argv)
+            except Exception:  # the config file itself is broken: absl's own message below
+                message = None
+        print(f"error: {message or str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

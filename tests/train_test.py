@@ -55,7 +55,9 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
     cfg = grpo_math.get_config("tiny")
     cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
     monkeypatch.chdir(tmp_path.parent)
-    final = train.run(cfg, tmp_path.name)  # a relative workdir, like the default runs/<config>/<time>
+    final = train.run(
+        cfg, tmp_path.name
+    )  # a relative workdir, like the default runs/<config>/<time>
     assert len(traces) == 1, f"the fused step was traced {len(traces)} times in 3 steps"
 
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -211,3 +213,37 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
         )
         > 0
     )  # training moved it
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "--config.rollout.nn=8",
+            "error: unknown config field 'rollout.nn' (did you mean 'rollout.n'?)",
+        ),
+        (
+            "--config.actor.lr=abc",
+            "error: flag --config.actor.lr=abc: could not convert string to float",
+        ),
+    ],
+)
+def test_cli_bad_override_exits_2_with_one_line(tmp_path, override, message):
+    workdir = tmp_path / "w"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jrl.train",
+            "--config=configs/grpo_math.py:tiny",
+            override,
+            f"--workdir={workdir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-500:]
+    assert not workdir.exists()
