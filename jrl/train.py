@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 from absl import app, flags, logging
@@ -200,9 +201,18 @@ def run(cfg, workdir: str) -> dict:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(cfg.to_json_best_effort(indent=2))
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise config_lib.ConfigError(
+            f"--workdir={workdir} is not writable ({e.strerror or e}); choose a directory you "
+            f"can create and write to."
+        ) from None
+    for name in ("num_dropped", "num_truncated"):  # prompts over data.max_prompt_length
+        if getattr(task, name, 0):
+            logging.warning("%s: %d prompts longer than the maximum", name, getattr(task, name))
 
     ids = dict(
         eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=task.max_response_length
@@ -242,6 +252,8 @@ def run(cfg, workdir: str) -> dict:
         state, extra, start = resumed
         logging.info("resumed from %s at step %d", ckpt.directory, start)
         _trim_metrics(workdir, start)
+    with open(os.path.join(workdir, "config.json"), "w") as f:  # after a successful restore
+        f.write(cfg.to_json_best_effort(indent=2))
     step_fn = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **ids),
         in_shardings=(state_sh, batch_sh),
@@ -328,7 +340,7 @@ def main(argv):
         if _FRESH.value:
             start_fresh(workdir)
         final = run(cfg, workdir)  # raises ConfigError only before anything is written
-    except config_lib.ConfigError as e:
+    except (config_lib.ConfigError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as e:

@@ -247,3 +247,52 @@ def test_cli_bad_override_exits_2_with_one_line(tmp_path, override, message):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-500:]
     assert not workdir.exists()
+
+
+def test_cli_unwritable_workdir_exits_2(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jrl.train",
+            "--config=configs/grpo_math.py:tiny",
+            f"--workdir={blocker / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "is not writable" in proc.stderr.strip().splitlines()[-1]
+    assert blocker.read_text() == "not a directory"
+
+
+def test_cli_checkpoint_of_another_model_size_exits_2_and_changes_nothing(tmp_path):
+    workdir = tmp_path / "w"
+    base = [
+        sys.executable,
+        "-m",
+        "jrl.train",
+        "--config=configs/grpo_math.py:tiny",
+        f"--workdir={workdir}",
+        "--config.warmup.sft_steps=0",
+    ]
+    first = subprocess.run(
+        base + ["--config.total_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    snapshot = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    proc = subprocess.run(
+        base + ["--config.model.hidden_size=64"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint") and "params/embed is (88, 32)" in last, last
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == snapshot
