@@ -211,8 +211,9 @@ def run(cfg, workdir: str) -> dict:
             f"can create and write to."
         ) from None
     for name in ("num_dropped", "num_truncated"):  # prompts over data.max_prompt_length
-        if getattr(task, name, 0):
-            logging.warning("%s: %d prompts longer than the maximum", name, getattr(task, name))
+        count = getattr(task, name, 0)  # an int, or a dict per split
+        if sum(count.values()) if isinstance(count, dict) else count:
+            logging.warning("prompts longer than data.max_prompt_length, %s: %s", name, count)
 
     ids = dict(
         eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=task.max_response_length
