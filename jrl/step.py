@@ -14,7 +14,7 @@ read from the logits at the position before y_t (the last prompt token for t = 0
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import flax
 import jax
@@ -26,7 +26,7 @@ from jrl import rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
-from jrl.algos import losses, masked_mean, masked_var
+from jrl.algos import losses, masked_mean
 from jrl.models import transformer
 
 Batch = dict[str, jax.Array]
@@ -184,11 +184,6 @@ def group_has_signal(scores_B, n: int):
     """[B / n] bool: the group's scores are not all equal (DAPO dynamic sampling keeps these)."""
     g = scores_B.reshape(-1, n)
     return jnp.max(g, -1) > jnp.min(g, -1)
-
-
-def explained_variance(returns, values, mask):
-    """verl's critic/vf_explained_var: 1 - Var(returns - values) / Var(returns), valid tokens."""
-    return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-8)
 
 
 def _stats(name, x, mask=None):
@@ -559,7 +554,9 @@ def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     metrics.update(_stats("critic/returns", exp["returns"], mask))
     if "values" in exp:
         metrics.update(_stats("critic/values", exp["values"], mask))
-        metrics["critic/vf_explained_var"] = explained_variance(exp["returns"], exp["values"], mask)
+        metrics["critic/vf_explained_var"] = group_lib.explained_variance(
+            exp["returns"], exp["values"], mask
+        )
     metrics.update(_stats("response_length", length.astype(jnp.float32)))
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
     metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)

@@ -25,7 +25,6 @@ import time
 
 from absl import app, flags, logging
 import jax
-import numpy as np
 from ml_collections import config_flags
 
 from jrl import checkpoint as checkpoint_lib
