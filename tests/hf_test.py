@@ -9,15 +9,19 @@ import dataclasses
 import json
 import os
 import shutil
+import tracemalloc
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import jrl.models
+from jrl import sharding
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import hf
 from jrl.models import transformer as tfm
@@ -277,3 +281,112 @@ def test_export_refuses_architectures_without_a_hf_family(tmp_path):
     cfg = tfm.ModelConfig(**base, value_head=True, lm_head=False)
     with pytest.raises(ValueError, match="critic-only"):
         hf.save_pretrained(cfg, {}, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded, streaming loads
+
+
+def _mesh_shardings(path, mesh_shape):
+    cfg = hf.load_config(path)
+    mesh = sharding.make_mesh(shape=mesh_shape)
+    return sharding.param_shardings(mesh, hf.abstract_params(cfg), tfm.logical_axes(cfg))
+
+
+# Hand-computed per-device shard shapes, mesh (data, fsdp, tensor). The golden llama: V=64, H=32,
+# 4 heads and 2 kv heads of 8, MLP 32. embed [V, H] is split (tensor, fsdp), q_proj [H, N, D]
+# (fsdp, tensor, -), k_proj [H, K, D] too unless tensor does not divide K, down_proj [F, H]
+# (tensor, fsdp); norms [H] over fsdp.
+SHARD_SHAPES = {
+    (2, 2, 2): {
+        ("embed",): (32, 16),
+        ("lm_head",): (16, 32),
+        ("layers_0", "attn", "q_proj"): (16, 2, 8),
+        ("layers_0", "attn", "k_proj"): (16, 1, 8),
+        ("layers_1", "mlp", "down_proj"): (16, 16),
+        ("final_norm", "scale"): (16,),
+    },
+    (1, 2, 4): {
+        ("embed",): (16, 16),
+        ("lm_head",): (16, 16),
+        ("layers_0", "attn", "q_proj"): (16, 1, 8),
+        ("layers_0", "attn", "k_proj"): (16, 2, 8),  # 2 kv heads over tensor=4: replicated
+        ("layers_1", "mlp", "down_proj"): (8, 16),
+        ("final_norm", "scale"): (16,),
+    },
+}
+
+
+@pytest.mark.parametrize("mesh_shape", list(SHARD_SHAPES))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sharded_load_places_every_param_in_its_sharding(loaded, family, mesh_shape):
+    path = os.path.join(GOLDEN, family)
+    shardings = _mesh_shardings(path, mesh_shape)
+    cfg, params = hf.load_pretrained(path, shardings=shardings)
+    assert cfg == loaded(family)[0]
+    want = traverse_util.flatten_dict(shardings)
+    got = traverse_util.flatten_dict(params)
+    assert got.keys() == want.keys()
+    for k, v in got.items():
+        assert v.sharding == want[k], k
+        shapes = {s.data.shape for s in v.addressable_shards}
+        assert shapes == {want[k].shard_shape(v.shape)}, k
+        assert len(v.addressable_shards) == 8
+    if family == "llama":
+        for k, shape in SHARD_SHAPES[mesh_shape].items():
+            assert {s.data.shape for s in got[k].addressable_shards} == {shape}, k
+    unsharded = _flat(loaded(family)[1])
+    for k, v in _flat(params).items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(v, unsharded[k], err_msg=str(k))
+
+
+def test_sharded_load_takes_a_state_params_shardings_tree_and_names_missing_entries():
+    path = os.path.join(GOLDEN, "qwen3")
+    shardings = _mesh_shardings(path, (2, 2, 2))
+    replicated = NamedSharding(shardings["embed"].mesh, PartitionSpec())
+    _, params = hf.load_pretrained(path, shardings={**shardings, "value_head": replicated})
+    assert "value_head" not in params  # an entry the checkpoint has no tensor for is ignored
+    assert params["embed"].sharding == shardings["embed"]
+    del shardings["layers_1"]["mlp"]
+    with pytest.raises(ValueError, match="shardings has no entry for params: layers_1/mlp/"):
+        hf.load_pretrained(path, shardings=shardings)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """(path, float32 bytes of its params): a llama checkpoint whose largest tensor is ~1/16 of
+    the model, so holding every tensor at once is far above holding one."""
+    cfg = tfm.ModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        hf_model_type="llama",
+    )
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda s: rng.standard_normal(s.shape, dtype=np.float32), hf.abstract_params(cfg)
+    )
+    path = hf.save_pretrained(cfg, params, tmp_path_factory.mktemp("wide"))
+    return path, sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_loading_streams_one_tensor_at_a_time(wide_checkpoint, mesh_shape):
+    """Peak traced host memory (numpy and Python buffers; device buffers are XLA's) while loading
+    stays far below the model: reading every tensor before placing any reaches ~1.2x of it."""
+    path, model_bytes = wide_checkpoint
+    shardings = None if mesh_shape is None else _mesh_shardings(path, mesh_shape)
+    hf.load_pretrained(path, shardings=shardings)  # imports and caches outside the measurement
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        _, params = hf.load_pretrained(path, shardings=shardings)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < model_bytes / 3, (peak, model_bytes)
+    assert sum(x.nbytes for x in jax.tree.leaves(params)) == model_bytes

@@ -4,7 +4,9 @@ Supported `model_type`s: llama (Llama 2 / 3.x), mistral, qwen2 (Qwen2 / Qwen2.5)
 gemma3_text (Gemma 3 text-only checkpoints). `config.json` is parsed by transformers' own config
 classes, so old and new field spellings (`rope_theta` / `rope_scaling` / `rope_parameters`,
 missing `layer_types`, ...) get the defaults transformers gives them. Weights are read with the
-`safetensors` library (numpy, bfloat16 through ml_dtypes); torch is never needed.
+`safetensors` library (numpy, bfloat16 through ml_dtypes); torch is never needed. Loading streams:
+one tensor at a time is read, converted and placed (on a device, or into its shards with
+`load_pretrained(..., shardings=...)`), so no host holds the whole model.
 
 Weight layouts (HF `nn.Linear` stores [out, in]):
   q/k/v_proj.weight [N*D, H] <-> attn/{q,k,v}_proj [H, N, D];  biases [N*D] <-> [N, D]
@@ -14,6 +16,7 @@ Weight layouts (HF `nn.Linear` stores [out, in]):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -386,11 +389,6 @@ def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]
     return table
 
 
-def _param_shapes(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
-    shapes = jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
-    return traverse_util.flatten_dict(shapes)
-
-
 def _hf_shape(layout: str, shape) -> tuple[int, ...]:
     return jax.eval_shape(_LAYOUTS[layout][0], jax.ShapeDtypeStruct(shape, np.float32)).shape
 
@@ -416,25 +414,10 @@ def _weight_files(path: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _read_tensors(files: dict[str, str], names) -> dict[str, np.ndarray]:
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    out = {}
-    for file, file_names in by_file.items():
-        with safe_open(file, framework="np") as f:
-            out.update({name: f.get_tensor(name) for name in file_names})
-    return out
-
-
-def load_pretrained(path, dtype: str = "float32") -> tuple[tfm.ModelConfig, Any]:
-    """(ModelConfig, params) of a local Hugging Face checkpoint directory.
-
-    The directory holds `config.json` and `model.safetensors` (or shards listed in
-    `model.safetensors.index.json`). Params come back as a nested dict of jax arrays in `dtype`
-    (the config's compute and parameter dtype too). Raises ValueError, one line, for a missing
-    directory / config / weights, an unsupported family, missing, unexpected or mis-shaped tensors.
-    """
+def load_config(path, dtype: str = "float32") -> tfm.ModelConfig:
+    """ModelConfig of a local Hugging Face checkpoint directory (its `config.json`; no weights
+    are read), compute and weights in `dtype`. Raises ValueError for a missing directory or
+    config and for an unsupported family."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path!r} does not exist; pass a local directory.")
@@ -442,7 +425,68 @@ def load_pretrained(path, dtype: str = "float32") -> tuple[tfm.ModelConfig, Any]
     if not os.path.exists(config_path):
         raise ValueError(f"{path!r} has no {CONFIG_FILE}; it is not a Hugging Face checkpoint.")
     with open(config_path) as f:
-        cfg = model_config_from_hf(json.load(f), dtype)
+        return model_config_from_hf(json.load(f), dtype)
+
+
+def abstract_params(cfg: tfm.ModelConfig) -> Any:
+    """The params tree of `cfg` as `jax.ShapeDtypeStruct`s (nothing computed or read): what
+    `load_pretrained(path, dtype)` returns for `cfg = load_config(path, dtype)`, ready for
+    `jrl.sharding.param_shardings`."""
+    return jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
+
+
+def _flat_shardings(shardings, keys) -> dict[tuple[str, ...], Any]:
+    """Parameter path -> its sharding (None: `jnp.asarray`'s default placement)."""
+    if shardings is None:
+        return dict.fromkeys(keys)
+    flat = traverse_util.flatten_dict(shardings)
+    missing = ["/".join(k) for k in keys if k not in flat]
+    if missing:
+        raise ValueError(f"shardings has no entry for params: {', '.join(missing[:8])}.")
+    bad = ["/".join(k) for k in keys if not isinstance(flat[k], jax.sharding.Sharding)]
+    if bad:
+        raise ValueError(f"shardings entries are not jax.sharding.Sharding: {', '.join(bad[:8])}.")
+    return {k: flat[k] for k in keys}
+
+
+def _host_tensor(f, name: str, layout: str, shape, dtype: str) -> np.ndarray:
+    """One checkpoint tensor read from the open safetensors file `f`, in jrl's layout and dtype."""
+    return _LAYOUTS[layout][1](f.get_tensor(name), shape).astype(jax.numpy.dtype(dtype))
+
+
+def _place(value: np.ndarray, sharding) -> jax.Array:
+    """A host array as a jax.Array: on the default device, or in `sharding` (each process builds
+    only its addressable shards, copied out of `value`)."""
+    if sharding is None:
+        return jax.numpy.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.ModelConfig, Any]:
+    """(ModelConfig, params) of a local Hugging Face checkpoint directory.
+
+    The directory holds `config.json` and `model.safetensors` (or shards listed in
+    `model.safetensors.index.json`). Params come back as a nested dict of jax arrays in `dtype`
+    (the config's compute and parameter dtype too). Raises ValueError, one line, for a missing
+    directory / config / weights, an unsupported family, missing, unexpected or mis-shaped tensors
+    (all checked from the files' headers before any tensor is read).
+
+    Tensors are read, converted and placed one at a time, so the host holds at most one
+    checkpoint tensor (in two layouts) at once, never the whole model. `shardings=None` puts
+    each on the default device. Otherwise `shardings` is a nested dict of
+    `jax.sharding.Sharding`s (NamedShardings) keyed like the params, and each param comes back
+    as a global jax.Array in its sharding, every process building only its addressable shards
+    (each process reads whole tensors, so each needs the checkpoint directory). Entries the
+    checkpoint has no tensor for (a value head) are ignored, so the shardings of a train
+    state's params serve as they are. To shard a checkpoint on its own:
+
+        cfg = hf.load_config(path, dtype)
+        shardings = jrl.sharding.param_shardings(
+            mesh, hf.abstract_params(cfg), transformer.logical_axes(cfg))
+        cfg, params = hf.load_pretrained(path, dtype, shardings)
+    """
+    path = os.fspath(path)
+    cfg = load_config(path, dtype)
     files = _weight_files(path)
     table = weight_names(cfg)
     missing = [hf for hf, _ in table.values() if hf not in files]
@@ -455,17 +499,25 @@ def load_pretrained(path, dtype: str = "float32") -> tuple[tfm.ModelConfig, Any]
             f"checkpoint {path!r} has tensors jrl's {cfg.hf_model_type} decoder does not use: "
             f"{', '.join(sorted(unexpected)[:8])}."
         )
-    tensors = _read_tensors(files, [hf for hf, _ in table.values()])
+    shapes = traverse_util.flatten_dict(abstract_params(cfg))
+    placements = _flat_shardings(shardings, shapes)
     flat = {}
-    for key, shape in _param_shapes(cfg).items():
-        hf, layout = table[key]
-        want = _hf_shape(layout, shape.shape)
-        if tensors[hf].shape != want:
-            raise ValueError(
-                f"tensor {hf} has shape {tensors[hf].shape}, config.json implies {want}."
-            )
-        value = _LAYOUTS[layout][1](tensors.pop(hf), shape.shape)
-        flat[key] = jax.numpy.asarray(value.astype(jax.numpy.dtype(dtype)))
+    with contextlib.ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(safe_open(file, framework="np"))
+            for file in sorted({files[hf] for hf, _ in table.values()})
+        }
+        for key, shape in shapes.items():
+            hf, layout = table[key]
+            stored = tuple(handles[files[hf]].get_slice(hf).get_shape())
+            want = _hf_shape(layout, shape.shape)
+            if stored != want:
+                raise ValueError(f"tensor {hf} has shape {stored}, config.json implies {want}.")
+        for key, shape in shapes.items():
+            hf, layout = table[key]
+            value = _host_tensor(handles[files[hf]], hf, layout, shape.shape, dtype)
+            flat[key] = _place(value, placements[key])
+            del value  # the next tensor is read only once this one is on its devices
     return cfg, traverse_util.unflatten_dict(flat)
 
 
