@@ -2,7 +2,7 @@
 
 Run:
   python -m jrl.train --config=configs/grpo_math.py --workdir=/tmp/jrl/grpo_math
-Overrides and presets:
+Overrides and presets (comma-separated after ':'; mesh= presets apply last):
   python -m jrl.train --config=configs/grpo_math.py --config.rollout.n=16 --config.total_steps=50
   python -m jrl.train --config=configs/grpo_math.py:tiny     # seconds-long smoke run (tests)
   python -m jrl.train --config=configs/grpo_math.py:drgrpo   # Dr.GRPO (no std normalisation)
@@ -14,6 +14,19 @@ Real models and data (local paths; nothing is downloaded):
   python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-1.5b,data=math \
     --config.model.hf_path=/models/Qwen2.5-1.5B-Instruct \
     --config.task.train_files=/data/math/train.jsonl --config.task.eval_files=/data/math/test.jsonl
+Real hardware (mesh= sets the device mesh and the batch sizes that fit it):
+  python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-0.5b,mesh=gpu8 \
+    --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct          # one host, 8 GPUs
+  python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-0.5b,mesh=v4-8 \
+    --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct          # one TPU v4 host, 4 chips
+  python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-7b,data=gsm8k,mesh=v5p-64 \
+    --config.model.hf_path=/models/Qwen2.5-7B-Instruct \
+    --config.task.train_files=... --config.task.eval_files=...  # the same on every host
+Without model.hf_path a model= preset random-initialises a model of exactly that checkpoint's
+shape (benchmarks, dry runs); it then needs a tokenizer, e.g. the built-in arithmetic task with
+the character tokenizer:
+  python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-7b,mesh=v5p-64 \
+    --config.tokenizer=char
 
 Fields are documented in jrl/config.py; here only what differs from its defaults.
 """
@@ -47,7 +60,10 @@ def get_config(arg: str | None = None):
     c.algorithm.adv_estimator = "grpo"  # group-relative advantages
     c.algorithm.norm_adv_by_std_in_grpo = True  # divide by the group std (False: Dr.GRPO)
 
-    for preset in filter(None, (arg or "").split(",")):
+    presets = [p for p in (arg or "").split(",") if p]
+    # mesh= presets go last whatever their place: their batch sizes, fitted to the devices, win
+    # over a model= preset's.
+    for preset in sorted(presets, key=lambda p: p.startswith("mesh=")):
         if preset in PRESETS:
             PRESETS[preset](c)
         else:
@@ -75,9 +91,10 @@ def _drgrpo(c):  # Dr.GRPO: advantages not divided by the group std
 
 
 def _hf_model(c, batch_size: int, mini_batch_size: int):
-    """A real Qwen2.5 policy from a local HF directory (--config.model.hf_path=DIR, required):
-    its own tokenizer, bfloat16 compute over float32 master weights, no warm-up, a KL loss to the
-    reference as in verl's GSM8K GRPO example, a learning rate for a pretrained model."""
+    """A Qwen2.5 policy from a local HF directory (--config.model.hf_path=DIR) with its own
+    tokenizer, or without one randomly initialised in the preset's shape (--config.tokenizer=...):
+    bfloat16 compute over float32 master weights, no warm-up, a KL loss to the reference as in
+    verl's GSM8K GRPO example, a learning rate for a pretrained model."""
     c.tokenizer = ""  # the checkpoint's own tokenizer
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"  # master weights
@@ -96,16 +113,88 @@ def _hf_model(c, batch_size: int, mini_batch_size: int):
     c.actor.kl_loss_type = "low_var_kl"  # ... and estimator
 
 
-def _qwen05(c):  # Qwen2.5-0.5B(-Instruct) on one GPU / a v4-8: 64 prompts x 8 samples per step
-    _hf_model(c, batch_size=64, mini_batch_size=16)
+def _qwen25(c):
+    """What every Qwen2.5 size shares (its config.json): with model.hf_path the checkpoint's own
+    config.json is used instead; without it, a random model of the preset's exact shape."""
+    c.model.head_dim = 0  # hidden_size / num_heads: 64 (0.5B) or 128 (1.5B, 7B)
+    c.model.rope_theta = 1_000_000.0  # rope_theta: Qwen2.5's RoPE base for its 32k context
+    c.model.rms_norm_eps = 1e-6  # rms_norm_eps
+    c.model.qkv_bias = True  # Qwen2 family: biases on the q / k / v projections
+    c.model.max_position_embeddings = 32768  # the Instruct checkpoints' context length
 
 
-def _qwen15(c):  # Qwen2.5-1.5B(-Instruct): 32 prompts x 8 samples per step
-    _hf_model(c, batch_size=32, mini_batch_size=8)
+def _qwen05(c):  # Qwen2.5-0.5B(-Instruct): 0.49B parameters (0.36B without the embedding)
+    _hf_model(c, batch_size=64, mini_batch_size=16)  # 64 prompts x 8 samples per step
+    _qwen25(c)
+    c.model.vocab_size = 151936  # config.json: the embedding has more rows than the tokenizer
+    c.model.hidden_size = 896  # hidden_size
+    c.model.num_layers = 24  # num_hidden_layers
+    c.model.num_heads = 14  # num_attention_heads
+    c.model.num_kv_heads = 2  # num_key_value_heads (grouped-query attention, 7 queries per kv)
+    c.model.intermediate_size = 4864  # intermediate_size (SwiGLU)
+    c.model.tie_word_embeddings = True  # the output head is the embedding (small models)
+
+
+def _qwen15(c):  # Qwen2.5-1.5B(-Instruct): 1.54B parameters (1.31B without the embedding)
+    _hf_model(c, batch_size=32, mini_batch_size=8)  # 32 prompts x 8 samples per step
+    _qwen25(c)
+    c.model.vocab_size = 151936  # config.json vocab_size
+    c.model.hidden_size = 1536  # hidden_size
+    c.model.num_layers = 28  # num_hidden_layers
+    c.model.num_heads = 12  # num_attention_heads
+    c.model.num_kv_heads = 2  # num_key_value_heads (6 queries per kv head)
+    c.model.intermediate_size = 8960  # intermediate_size (SwiGLU)
+    c.model.tie_word_embeddings = True  # tied, as in 0.5B
+
+
+def _qwen7(c):  # Qwen2.5-7B(-Instruct): 7.61B parameters (6.53B without the embeddings)
+    _hf_model(c, batch_size=32, mini_batch_size=8)  # one device cannot hold it: add a mesh=
+    _qwen25(c)
+    c.model.vocab_size = 152064  # config.json: 7B and larger pad the vocabulary further
+    c.model.hidden_size = 3584  # hidden_size
+    c.model.num_layers = 28  # num_hidden_layers
+    c.model.num_heads = 28  # num_attention_heads
+    c.model.num_kv_heads = 4  # num_key_value_heads (7 queries per kv head)
+    c.model.intermediate_size = 18944  # intermediate_size (SwiGLU)
+    c.model.tie_word_embeddings = False  # a separate output head (0.55B more parameters)
+
+
+# Mesh presets. The axes are (data, fsdp, tensor) (jrl/sharding.py); -1 takes the devices the
+# others leave. Why the shapes: FSDP over the chips of one host (their fast links carry the
+# per-layer all-gathers; each chip holds 1/fsdp of the parameters, Adam moments and reference),
+# data parallelism over hosts for the rest (only gradients cross hosts), tensor parallelism never:
+# with FSDP alone every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting
+# heads would add two all-reduces per layer. State per device with the KL-loss reference (float32
+# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
+# Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
+# are multiples of data x fsdp, so they split evenly. What bounds them is the step's largest activation: full-vocabulary (152k) float32
+# logits of every row on a device when old / reference log-probs are scored, about 0.47 GB per
+# row at GSM8K lengths (256 + 512 tokens); twice that for data=math.
+
+
+def _gpu8(c):  # one host with 8 GPUs (e.g. 8x H100 80 GB over NVLink)
+    c.mesh.shape = (-1, 8, 1)  # FSDP over the 8 GPUs; data: 1 per host (more hosts, more data)
+    c.data.train_batch_size = 32  # 256 rows, 32 per GPU when scoring: ~15 GB of logits
+    c.actor.ppo_mini_batch_size = 8  # 64 rows, 8 per GPU through forward and backward
+
+
+def _v4_8(c):  # one TPU v4 host: 4 chips (v4-8 counts TensorCores), 32 GiB HBM each
+    c.mesh.shape = (-1, 4, 1)  # FSDP over the 4 chips; for 0.5B / 1.5B (7B's 122 GB of state
+    # with a reference would leave no room on 4 x 32 GiB: take mesh=v5p-64)
+    c.data.train_batch_size = 8  # 64 rows, 16 per chip when scoring: ~7.5 GB of logits
+    c.actor.ppo_mini_batch_size = 4  # 32 rows, 8 per chip per update
+
+
+def _v5p_64(c):  # a v5p-64 slice: 32 chips (64 TensorCores) on 8 hosts of 4, 95 GB HBM each
+    c.mesh.shape = (-1, 4, 1)  # FSDP over a host's 4 chips (7B: 30 GB of state per chip),
+    # data parallelism over the 8 hosts
+    c.data.train_batch_size = 64  # 512 rows, 16 per chip when scoring: ~7.5 GB of logits
+    c.actor.ppo_mini_batch_size = 16  # 128 rows, 4 per chip per update: 4 updates per step
 
 
 def _gsm8k(c):  # GSM8K from local files (--config.task.train_files=..., eval_files=...)
     c.task.name = "gsm8k"
+    c.warmup.sft_steps = 0  # the supervised warm-up needs the arithmetic task's answers
     c.task.reward = "gsm8k"  # the number after "####" (else the last number), compared exactly
     c.task.eval_size = 256  # eval rows (of the eval file)
     c.data.max_prompt_length = 256  # P: GSM8K questions fit in 256 tokens
@@ -114,6 +203,7 @@ def _gsm8k(c):  # GSM8K from local files (--config.task.train_files=..., eval_fi
 
 def _math(c):  # MATH from local files (--config.task.train_files=..., eval_files=...)
     c.task.name = "math"
+    c.warmup.sft_steps = 0  # the supervised warm-up needs the arithmetic task's answers
     c.task.reward = "math"  # last \boxed{...}, checked by math-verify or sympy
     c.task.eval_size = 256  # eval rows (of the eval file)
     c.data.max_prompt_length = 512  # P
@@ -125,6 +215,10 @@ PRESETS = {
     "drgrpo": _drgrpo,
     "model=qwen2.5-0.5b": _qwen05,
     "model=qwen2.5-1.5b": _qwen15,
+    "model=qwen2.5-7b": _qwen7,
     "data=gsm8k": _gsm8k,
     "data=math": _math,
+    "mesh=gpu8": _gpu8,
+    "mesh=v4-8": _v4_8,
+    "mesh=v5p-64": _v5p_64,
 }

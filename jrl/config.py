@@ -24,6 +24,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+MODEL_DTYPES = ("float32", "bfloat16")
 # Estimators that compare samples of the same prompt: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
 
@@ -44,6 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.hf_path = (
         ""  # local HF checkpoint dir (config.json + safetensors); "": the fields below
     )
+    c.model.vocab_size = (
+        0  # 0: the tokenizer's size; set it for a random model of a checkpoint's shape
+    )
     c.model.hidden_size = 64  # width of the residual stream
     c.model.num_layers = 2  # decoder blocks
     c.model.num_heads = 4  # query heads
@@ -54,6 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rms_norm_eps = 1e-6  # RMSNorm epsilon
     c.model.qkv_bias = False  # biases on q / k / v projections (Qwen2: True)
     c.model.tie_word_embeddings = True  # output head shares the embedding matrix
+    c.model.max_position_embeddings = 8192  # context length written on export (RoPE sets no limit)
     c.model.dtype = "float32"  # compute dtype (float32 | bfloat16)
     c.model.param_dtype = "float32"  # master-weight dtype
 
@@ -110,7 +115,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.clip_ratio_low = 0.2  # lower clip: ratio >= 1 - clip_ratio_low
     c.actor.clip_ratio_high = 0.2  # upper clip: ratio <= 1 + clip_ratio_high (DAPO: 0.28)
     c.actor.clip_ratio_c = 3.0  # dual-clip bound for negative advantages (> 1)
-    c.actor.loss_scale_factor = 0.0  # seq-mean-token-sum-norm divisor; 0: the padded response length R
+    c.actor.loss_scale_factor = (
+        0.0  # seq-mean-token-sum-norm divisor; 0: the padded response length R
+    )
     c.actor.tau_pos = 1.0  # sapo: temperature of the soft gate for positive advantages
     c.actor.tau_neg = 1.05  # sapo: temperature of the soft gate for negative advantages
     c.actor.clip_cov_ratio = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
@@ -293,8 +300,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     _check(
         cfg.tokenizer != "" or cfg.model.hf_path,
-        "tokenizer='' means the tokenizer of model.hf_path, which is not set; set one of them.",
+        "tokenizer='' means the tokenizer of model.hf_path, which is not set; set "
+        "--config.model.hf_path=DIR (a checkpoint), or --config.tokenizer=DIR (or 'char') to "
+        "random-initialise the model.* shape.",
     )
+    _validate_model(cfg.model)
     _check(cfg.total_steps >= 1, f"total_steps={cfg.total_steps} must be >= 1.")
     _check(
         cfg.eval_every >= 0,
@@ -371,3 +381,34 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"nan_guard.max_consecutive={cfg.nan_guard.max_consecutive} must be >= 1.",
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")
+
+
+def _validate_model(m: ml_collections.ConfigDict) -> None:
+    """model.*: the shape of a randomly initialised model (a checkpoint's config.json wins)."""
+    _check(
+        isinstance(m.vocab_size, int) and m.vocab_size >= 0,
+        f"model.vocab_size={m.vocab_size} must be an integer >= 0 (0: the tokenizer's size).",
+    )
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+        _check(m[name] >= 1, f"model.{name}={m[name]} must be >= 1.")
+    _check(
+        m.head_dim >= 0, f"model.head_dim={m.head_dim} must be >= 0 (0: hidden_size // num_heads)."
+    )
+    _check(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads="
+        f"{m.num_kv_heads}; choose kv heads that divide the query heads.",
+    )
+    _check(
+        m.head_dim or m.hidden_size % m.num_heads == 0,
+        f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+        f"set model.head_dim explicitly.",
+    )
+    _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0.")
+    _check(m.rms_norm_eps > 0, f"model.rms_norm_eps={m.rms_norm_eps} must be > 0.")
+    _check(
+        m.max_position_embeddings >= 1,
+        f"model.max_position_embeddings={m.max_position_embeddings} must be >= 1.",
+    )
+    _choice("model.dtype", m.dtype, MODEL_DTYPES)
+    _choice("model.param_dtype", m.param_dtype, MODEL_DTYPES)

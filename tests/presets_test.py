@@ -1,0 +1,216 @@
+"""The real-scale presets of configs/grpo_math.py: they validate, their batch sizes split over
+their meshes, and (abstractly, with jax.eval_shape: no arrays, no compile) the Qwen2.5 shapes have
+the published parameter counts and their train state fits the target devices' memory."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jrl import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import grpo_math  # noqa: E402
+
+# Published figures, independent of the code under test.
+# Qwen2.5 model cards (Hugging Face, Qwen/Qwen2.5-*-Instruct): (parameters, of which
+# non-embedding, layers, query heads, key / value heads, context length).
+PUBLISHED = {
+    "qwen2.5-0.5b": (0.49e9, 0.36e9, 24, 14, 2, 32768),
+    "qwen2.5-1.5b": (1.54e9, 1.31e9, 28, 12, 2, 32768),
+    "qwen2.5-7b": (7.61e9, 6.53e9, 28, 28, 4, 32768),
+}
+# (devices, memory of one device in bytes) of each mesh preset's hardware: H100 SXM 80 GB;
+# Cloud TPU docs: a v4-8 is 4 chips of 32 GiB, a v5p-64 (topology 2x4x4) 32 chips on 8 hosts,
+# 95 GB each.
+HARDWARE = {
+    "mesh=gpu8": (8, 80e9),
+    "mesh=v4-8": (4, 32 * 2**30),
+    "mesh=v5p-64": (32, 95e9),
+}
+COMBINATIONS = (
+    "model=qwen2.5-7b,data=gsm8k,mesh=v5p-64",
+    "model=qwen2.5-0.5b,mesh=v4-8",
+    "model=qwen2.5-0.5b,mesh=gpu8",
+)
+# Params + optimizer state + reference may take at most this fraction of a device's memory: the
+# rest is for activations (logits, KV cache, gathered layers).
+STATE_LIMIT = 0.5
+
+
+def _with_user_paths(cfg, tmp_path, hf: bool):
+    """What the command line must add to a preset: the data files of data=, and for model= a
+    checkpoint directory (hf) or a tokenizer for a random model of the preset's shape."""
+    if cfg.task.name != "arithmetic":
+        cfg.task.train_files = str(tmp_path / "train.jsonl")  # validate only checks it is set
+    if cfg.tokenizer == "" and hf:
+        (tmp_path / "config.json").write_text("{}")
+        cfg.model.hf_path = str(tmp_path)
+    elif cfg.tokenizer == "":
+        cfg.tokenizer = "char"
+    return cfg
+
+
+def _mesh_preset(preset: str) -> str:
+    return next(p for p in preset.split(",") if p.startswith("mesh="))
+
+
+def _data_fsdp(cfg, devices: int) -> int:
+    """data x fsdp of the preset's mesh on `devices` devices (-1: what the others leave)."""
+    fixed = math.prod(s for s in cfg.mesh.shape if s != -1)
+    sizes = dict(zip(cfg.mesh.axes, (devices // fixed if s == -1 else s for s in cfg.mesh.shape)))
+    assert math.prod(sizes.values()) == devices, (sizes, devices)
+    return sizes["data"] * sizes["fsdp"]
+
+
+@pytest.mark.parametrize("preset", list(grpo_math.PRESETS) + list(COMBINATIONS))
+@pytest.mark.parametrize("hf", [False, True])
+def test_preset_validates(preset, hf, tmp_path):
+    cfg = _with_user_paths(grpo_math.get_config(preset), tmp_path, hf)
+    config_lib.validate(cfg)
+
+
+def test_without_a_tokenizer_or_checkpoint_the_error_names_both():
+    with pytest.raises(config_lib.ConfigError, match="model.hf_path=DIR.*tokenizer=DIR"):
+        config_lib.validate(grpo_math.get_config("model=qwen2.5-7b"))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("vocab_size", -1, "model.vocab_size=-1 must be an integer >= 0"),
+        ("num_kv_heads", 3, "model.num_heads=4 is not a multiple of model.num_kv_heads=3"),
+        ("rope_theta", 0.0, "model.rope_theta=0.0 must be > 0"),
+        ("max_position_embeddings", 0, "model.max_position_embeddings=0 must be >= 1"),
+        ("dtype", "float8", "model.dtype='float8' is unknown"),
+    ],
+)
+def test_bad_model_fields_give_one_line_errors(field, value, message):
+    cfg = grpo_math.get_config()
+    cfg.model[field] = value
+    with pytest.raises(config_lib.ConfigError, match=message) as e:
+        config_lib.validate(cfg)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_model_presets_have_the_published_shape(name):
+    m = grpo_math.get_config(f"model={name}").model
+    _, _, layers, q_heads, kv_heads, context = PUBLISHED[name]
+    assert (m.num_layers, m.num_heads, m.num_kv_heads) == (layers, q_heads, kv_heads)
+    assert m.max_position_embeddings == context and m.qkv_bias and m.vocab_size > 150_000
+
+
+def test_mesh_presets_apply_last():
+    a = grpo_math.get_config("mesh=v5p-64,model=qwen2.5-7b")
+    b = grpo_math.get_config("model=qwen2.5-7b,mesh=v5p-64")
+    assert a.to_dict() == b.to_dict()
+
+
+@pytest.mark.parametrize("preset", list(HARDWARE) + list(COMBINATIONS))
+def test_batch_sizes_split_over_the_mesh(preset):
+    cfg = grpo_math.get_config(preset)
+    n = _data_fsdp(cfg, HARDWARE[_mesh_preset(preset)][0])
+    # Prompts of a step are split over data x fsdp, and so are the rows of every mini-batch
+    # (jrl.step draws them from all rows, not by prompt).
+    assert cfg.data.train_batch_size % n == 0, (cfg.data.train_batch_size, n)
+    assert cfg.actor.ppo_mini_batch_size * cfg.rollout.n % n == 0, (cfg.actor, n)
+
+
+# Run in a subprocess with as many host CPU devices as the largest mesh: the abstract train state
+# of each (model, mesh) preset, its shardings, and per-device bytes from their shard shapes.
+_PROBE = textwrap.dedent(
+    """
+    import json, math, sys
+    import jax
+    sys.path.insert(0, sys.argv[1])
+    from configs import grpo_math
+    from jrl import sharding, step
+    from jrl.models import transformer
+
+    def model_cfg(cfg):
+        fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
+        fields["head_dim"] = fields["head_dim"] or None
+        return transformer.ModelConfig(vocab_size=cfg.model.vocab_size, **fields)
+
+    def nbytes(tree, shardings):
+        return sum(
+            math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+            for x, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+        )
+
+    out = {"counts": {}, "state": {}}
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"):
+        mc = model_cfg(grpo_math.get_config("model=" + name))
+        params = jax.eval_shape(lambda: transformer.init_params(mc, jax.random.key(0)))
+        total = sum(x.size for x in jax.tree.leaves(params))
+        embeddings = sum(params[k].size for k in ("embed", "lm_head") if k in params)
+        out["counts"][name] = [total, total - embeddings]
+    for preset, devices in json.loads(sys.argv[2]).items():
+        cfg = grpo_math.get_config(preset)
+        mc, _ = step.model_configs(cfg, model_cfg(cfg))
+        mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape, jax.devices()[:devices])
+        key = jax.random.key(0)
+        abstract = jax.eval_shape(
+            lambda: step.init_state(cfg, mc, transformer.init_params(mc, key), key)
+        )
+        sh = sharding.state_shardings(mesh, abstract, mc, step.model_configs(cfg, mc)[1])
+        out["state"][preset] = {
+            "mesh": dict(mesh.shape),
+            "params": nbytes(abstract.params, sh.params),
+            "opt_state": nbytes(abstract.opt_state, sh.opt_state),
+            "ref_params": nbytes(abstract.ref_params, sh.ref_params)
+            if abstract.ref_params is not None else 0,
+            "total": nbytes(abstract, sh),
+        }
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    meshes = {p: HARDWARE[_mesh_preset(p)][0] for p in COMBINATIONS}
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={max(meshes.values())}",
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", _PROBE, REPO, json.dumps(meshes)],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_counts_match_the_published_ones(probe, name):
+    total, non_embedding = probe["counts"][name]
+    published_total, published_non_embedding = PUBLISHED[name][:2]
+    assert abs(total - published_total) / published_total < 0.01, total
+    assert abs(non_embedding - published_non_embedding) / published_non_embedding < 0.01
+
+
+@pytest.mark.parametrize("preset", COMBINATIONS)
+def test_state_per_device_fits_with_room_for_activations(probe, preset):
+    state = probe["state"][preset]
+    hbm = HARDWARE[_mesh_preset(preset)][1]
+    cfg = grpo_math.get_config(preset)
+    assert cfg.actor.use_kl_loss and state["ref_params"] > 0  # the reference is counted
+    assert state["mesh"]["fsdp"] > 1 and state["mesh"]["tensor"] == 1
+    # float32 params: 4 bytes each, split over fsdp (a little replicated: norms, biases).
+    total_params = probe["counts"][preset.split(",")[0].split("=")[1]][0]
+    assert state["params"] < 1.05 * 4 * total_params / state["mesh"]["fsdp"]
+    assert state["opt_state"] < 2.01 * state["params"] + 1024  # Adam mu, nu (+ a step count)
+    print(f"{preset}: {state['total'] / 1e9:.2f} GB of {hbm / 1e9:.1f} GB per device")
+    assert state["total"] < STATE_LIMIT * hbm, (state, hbm)
