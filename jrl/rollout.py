@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jrl import sharding
 from jrl.models import transformer
 
 
@@ -81,10 +82,14 @@ def generate(
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
 
     prefill_mask = key_valid_BS[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
-    cache = transformer.init_cache(model_cfg, b, s)
+    # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
+    # tensor axis, as the attention weights do; the decode loop keeps that layout.
+    pin = lambda c: sharding.constrain(c, sharding.CACHE_AXES)
+    cache = pin(transformer.init_cache(model_cfg, b, s))
     logits, _, cache = model.apply(
         {"params": params}, prompt_ids_BP, positions_BP, prefill_mask, cache, 0
     )
+    cache = pin(cache)
     first_pos_B = positions_BP[:, -1] + 1
 
     def cond(carry):
@@ -112,7 +117,7 @@ def generate(
         logits, _, cache = model.apply(
             {"params": params}, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
         )
-        return t + 1, logits[:, -1], cache, done, key_valid, ids, mask, logps
+        return t + 1, logits[:, -1], pin(cache), done, key_valid, ids, mask, logps
 
     carry = (
         jnp.int32(0),

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jrl.models import transformer
@@ -246,6 +247,61 @@ def cache_sharding(mesh: Mesh, shape: Sequence[int] | None = None, rules: Rules 
     return NamedSharding(mesh, spec)
 
 
+def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a [batch_size, ...] batch placed with `sharding` that this process's devices
+    hold: each host reads, tokenizes and sends only these (`global_batch`). One process: all."""
+    spans = {
+        (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+        for idx in sharding.addressable_devices_indices_map((batch_size,)).values()
+    }
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = set().union(*(range(a, b) for a, b in spans))
+    if covered != set(range(lo, hi)):
+        raise ValueError(
+            f"this process holds rows {sorted(spans)} of the batch, not one contiguous range; "
+            "order the mesh so each process's devices are adjacent along the batch axes."
+        )
+    return slice(lo, hi)
+
+
+def global_batch(local: dict, sharding: NamedSharding, batch_size: int) -> dict:
+    """One global jax.Array per field from this process's rows (`process_rows`) of each field,
+    so no host holds (or reads) the whole batch."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
+        for k, v in local.items()
+    }
+
+
+def put(tree, shardings):
+    """Host arrays -> global jax.Arrays in `shardings` (a matching tree, or one sharding for all).
+    Every process must pass the same values; each builds only its own devices' shards, so this
+    also works across processes, where `jax.device_put` to non-addressable devices does not."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(x, sh):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda index: x[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def constrain(x, logical: PartitionSpec, rules: Rules = DEFAULT_RULES):
+    """Inside a jitted function traced under `jax.set_mesh(mesh)`: pins `x` (an array or a tree
+    of same-rank arrays, e.g. the KV cache) to its logical axes' mesh sharding, each dim keeping
+    only the mesh axes that divide it. Without a mesh in context it returns `x` unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(
+            a, _fit(mesh, logical_to_mesh(logical, rules), a.shape)
+        ),
+        x,
+    )
+
+
 def sharded_init(init_fn: Callable, mesh: Mesh, shardings) -> Callable:
     """`init_fn` compiled to write its outputs straight into `shardings` (each device computes
     only its shards; no host holds the full result). Call it like `init_fn`."""
@@ -272,12 +328,16 @@ __all__ = [
     "MESH_AXES",
     "batch_sharding",
     "cache_sharding",
+    "constrain",
     "describe",
+    "global_batch",
     "logical_to_mesh",
     "make_mesh",
     "mirror_shardings",
     "named_sharding",
     "param_shardings",
+    "process_rows",
+    "put",
     "sharded_init",
     "state_shardings",
 ]

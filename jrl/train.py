@@ -5,6 +5,12 @@ the workdir's newest valid checkpoint or warm up (optional supervised steps), th
 steps. Each RL step is one jitted call of the fused step (jrl/step.py); the host only feeds prompt
 batches, writes metrics and saves checkpoints.
 
+Multi-host (TPU pods, multi-node GPU): every process runs the same command with `--distributed`
+(JAX reads coordinator, process count and id from the environment: Cloud TPU, SLURM, Open MPI,
+JAX_COORDINATOR_ADDRESS) or with `--coordinator_address/--num_processes/--process_id`; the
+workdir must be shared (gs:// or a shared filesystem). Each process feeds only the prompt rows
+its devices hold; process 0 writes metrics, tensorboard and config.json; all save checkpoints.
+
 Exit status: 0 done; 2 bad config or arguments (nothing written); 42 preempted (SIGTERM / SIGINT /
 TPU preemption notice: the step finished and a checkpoint was written; rerun with the same
 --workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
@@ -25,6 +31,8 @@ import time
 
 from absl import app, flags, logging
 import jax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from jrl import checkpoint as checkpoint_lib
@@ -48,6 +56,42 @@ _FRESH = flags.DEFINE_bool(
     "Start from scratch even if --workdir has checkpoints (they are moved aside to "
     "checkpoints.<time>, not deleted).",
 )
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Multi-host run: call jax.distributed.initialize() first; with no coordinator flags JAX reads "
+    "them from the environment (Cloud TPU pods, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS).",
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (implies --distributed)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes (implies --distributed)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's id, 0 .. num_processes - 1 (implies --distributed)."
+)
+
+
+def init_distributed() -> None:
+    """jax.distributed.initialize() for --distributed / the coordinator flags; before anything
+    touches a device. A single-process run skips it."""
+    given = {
+        "coordinator_address": _COORDINATOR.value,
+        "num_processes": _NUM_PROCESSES.value,
+        "process_id": _PROCESS_ID.value,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not (_DISTRIBUTED.value or given):
+        return
+    jax.distributed.initialize(**given)
+    logging.info(
+        "process %d of %d: %d local devices, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
@@ -56,19 +100,44 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
         with open(os.path.join(cfg.model.hf_path, "config.json")) as f:
             hf_cfg = models.model_config_from_hf(json.load(f), dtype=cfg.model.param_dtype)
         return dataclasses.replace(hf_cfg, dtype=cfg.model.dtype)
-    fields = {k: v for k, v in cfg.model.items() if k != "hf_path"}
+    fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
     fields["head_dim"] = fields["head_dim"] or None
+    vocab_size = cfg.model.get("vocab_size") or vocab_size  # 0: the tokenizer's size
     return transformer.ModelConfig(vocab_size=vocab_size, **fields)
 
 
-def initial_params(cfg, model_cfg: transformer.ModelConfig, key):
+def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shardings=None):
     """Fresh parameters, or the HF checkpoint's; parts the checkpoint lacks (a value head on a
-    shared backbone) are freshly initialised."""
-    fresh = transformer.init_params(model_cfg, key)
-    if not cfg.model.hf_path:
-        return fresh
-    _, loaded = models.load_pretrained(cfg.model.hf_path, dtype=cfg.model.param_dtype)
-    return {**fresh, **loaded}
+    shared backbone) are freshly initialised. With `mesh` and `shardings` (the params' tree of
+    NamedShardings) they are created in place on the devices."""
+    loaded = {}
+    if cfg.model.hf_path:  # streamed tensor by tensor, each straight into its shards
+        _, loaded = models.load_pretrained(
+            cfg.model.hf_path, dtype=cfg.model.param_dtype, shardings=shardings
+        )
+
+    def init():  # only what the checkpoint lacks (XLA drops the rest of the computation)
+        fresh = transformer.init_params(model_cfg, key)
+        return {k: v for k, v in fresh.items() if k not in loaded}
+
+    if mesh is not None:
+        abstract = jax.eval_shape(init)
+        init = sharding.sharded_init(init, mesh, {k: shardings[k] for k in abstract})
+    return {**init(), **loaded}
+
+
+def prompt_counts(task) -> dict:
+    """Prompts longer than data.max_prompt_length that the task dropped or truncated, as step-0
+    metrics: `data/prompts_dropped`, `data/prompts_truncated` (`.../<split>` when counted per
+    split)."""
+    out = {}
+    for name, attr in (("dropped", "num_dropped"), ("truncated", "num_truncated")):
+        count = getattr(task, attr, 0)  # an int, or a dict per split
+        if isinstance(count, dict):
+            out.update({f"data/prompts_{name}/{split}": int(n) for split, n in count.items()})
+        else:
+            out[f"data/prompts_{name}"] = int(count)
+    return out
 
 
 def reward_options(cfg) -> dict:
@@ -209,15 +278,14 @@ def run(cfg, workdir: str) -> dict:
             f"--workdir={workdir} is not writable ({e.strerror or e}); choose a directory you "
             f"can create and write to."
         ) from None
-    for name in ("num_dropped", "num_truncated"):  # prompts over data.max_prompt_length
-        count = getattr(task, name, 0)  # an int, or a dict per split
-        if sum(count.values()) if isinstance(count, dict) else count:
-            logging.warning("prompts longer than data.max_prompt_length, %s: %s", name, count)
+    long_prompts = prompt_counts(task)
+    if any(long_prompts.values()):
+        logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
     ids = dict(
         eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=task.max_response_length
     )
-    eval_fn = jax.jit(step_lib.make_eval(model_cfg, reward_fn, **ids))
+    evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     ckpt = checkpoint_lib.Checkpointer(
@@ -230,46 +298,60 @@ def run(cfg, workdir: str) -> dict:
     state_sh = sharding.state_shardings(
         mesh, abstract, model_cfg, step_lib.model_configs(cfg, model_cfg)[1]
     )
-    batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
+    batch_size = step_lib.prompts_per_step(cfg)
+    batch_sh = sharding.batch_sharding(mesh, batch_size)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
     resumed = ckpt.restore_latest(
         jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
         )
     )
     if resumed is None:
-        params = initial_params(cfg, model_cfg, key_init)
-        t0 = time.perf_counter()
-        if cfg.warmup.sft_steps:
-            params, steps, acc = sft_warmup(cfg, model_cfg, task, params, eval_fn)
+        if cfg.warmup.sft_steps:  # the small demo model, warmed up on each host, then placed
+            params = initial_params(cfg, model_cfg, key_init)
+            t0 = time.perf_counter()
+            params, steps, acc = sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
             logging.info(
                 "warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f",
                 steps,
                 time.perf_counter() - t0,
                 acc,
             )
+            params = sharding.put(jax.device_get(params), state_sh.params)
+        else:  # straight into the shards: no host holds the whole model
+            params = initial_params(cfg, model_cfg, key_init, mesh, state_sh.params)
         state, start = sharding.sharded_init(init, mesh, state_sh)(params), 0
     else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
         state, extra, start = resumed
         logging.info("resumed from %s at step %d", ckpt.directory, start)
-        _trim_metrics(workdir, start)
-    with open(os.path.join(workdir, "config.json"), "w") as f:  # after a successful restore
-        f.write(cfg.to_json_best_effort(indent=2))
+        if jax.process_index() == 0:
+            _trim_metrics(workdir, start)
+    main_process = jax.process_index() == 0
+    if main_process:  # after a successful restore
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(cfg.to_json_best_effort(indent=2))
     step_fn = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **ids),
         in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, replicated),
         donate_argnums=0,
     )
-    eval_batch = task.eval_batch()
-    evaluate = lambda params: to_python(eval_fn(params, eval_batch))
+    eval_fn = jax.jit(
+        evaluate_fn, in_shardings=(state_sh.params, replicated), out_shardings=replicated
+    )
+    eval_batch = sharding.put(task.eval_batch(), replicated)
 
-    main_process = jax.process_index() == 0
+    def evaluate(params):
+        with jax.set_mesh(mesh):  # traced under the mesh: the KV cache is pinned to it
+            return to_python(eval_fn(params, eval_batch))
+
     writer = MetricWriter(workdir, enabled=main_process)
     bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
     if resumed is None:
         metrics = evaluate(state.params)
         first_accuracy = metrics["val/accuracy"]
-        writer.write(0, metrics)
+        writer.write(0, {**metrics, **long_prompts})
         bar.write(f"step 0: val/accuracy {first_accuracy:.3f}")
     else:
         first_accuracy = extra["val/accuracy_first"]
@@ -283,9 +365,11 @@ def run(cfg, workdir: str) -> dict:
     consecutive_skips = 0
     with checkpoint_lib.PreemptionGuard() as guard:
         for i in range(start, cfg.total_steps):
-            batch = jax.device_put(task.train_batch(i, step_lib.prompts_per_step(cfg)), batch_sh)
+            local = {k: v[my_rows] for k, v in task.train_batch(i, batch_size).items()}
+            batch = sharding.global_batch(local, batch_sh, batch_size)
             t = time.perf_counter()
-            state, metrics = step_fn(state, batch)
+            with jax.set_mesh(mesh):
+                state, metrics = step_fn(state, batch)
             metrics = to_python(jax.device_get(metrics))
             elapsed = time.perf_counter() - t
             metrics["timing_s/step"] = elapsed
@@ -328,6 +412,14 @@ def main(argv):
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
+    init_distributed()
+    if jax.process_count() > 1 and not _WORKDIR.value:
+        print(
+            "error: a multi-process run needs --workdir, shared by all processes "
+            "(gs://bucket/run or a shared filesystem).",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     workdir = _WORKDIR.value or os.path.join(
         "runs",
         os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[
@@ -337,8 +429,10 @@ def main(argv):
     )
     try:
         config_lib.validate(cfg)
-        if _FRESH.value:
+        if _FRESH.value and jax.process_index() == 0:
             start_fresh(workdir)
+        if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
+            multihost_utils.sync_global_devices("jrl.train: workdir ready")
         final = run(cfg, workdir)  # raises ConfigError only before anything is written
     except (config_lib.ConfigError, checkpoint_lib.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
