@@ -1,5 +1,8 @@
 """The trainer on one device, on 8 devices in three mesh layouts, and as two jax.distributed
-processes of 4 devices each: the same metrics and parameters, within float32 tolerances."""
+processes of 4 devices each: the same metrics and parameters, within float32 tolerances.
+
+The runs train on a GSM8K-style file with a Python reward (`tests/scale_rewards.py`, through
+`jax.pure_callback`), so the host-side reward path is checked on every layout too."""
 
 import json
 import os
@@ -13,23 +16,28 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from jrl import checkpoint as checkpoint_lib
-from jrl import rewards, train
+from jrl import train
 from jrl import step as step_lib
 from jrl.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from configs import grpo_math  # noqa: E402
-from tests.scale_driver import divisible_by_3  # noqa: E402
 
-# The tiny config with 8 prompts per step (so 8 devices can split them), no warm-up (parameters
+DATA = os.path.join(REPO, "tests", "golden", "scale_gsm8k.jsonl")
+# The tiny model with 8 prompts per step (so 8 devices can split them), no warm-up (parameters
 # are created straight into their shards) and a reward that differs within groups.
 OVERRIDES = {
     "total_steps": 3,
     "warmup.sft_steps": 0,
     "data.train_batch_size": 8,
     "actor.ppo_mini_batch_size": 4,
-    "task.reward": "divisible_by_3",
+    "task.name": "gsm8k",
+    "task.train_files": DATA,
+    "task.eval_files": DATA,
+    "data.max_prompt_length": 128,
+    "data.max_response_length": 8,
+    "task.reward": "tests.scale_rewards:vowel_share",
 }
 MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]  # data x fsdp x tensor
 
@@ -54,10 +62,11 @@ def flags(workdir, **extra):
     ]
 
 
-def driver(args, devices: int, **popen):
+def launch(args, devices: int, **popen):
+    """`python -m jrl.train ARGS` in a fresh process that sees `devices` CPU devices."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    cmd = [sys.executable, os.path.join(REPO, "tests", "scale_driver.py"), *args]
+    cmd = [sys.executable, "-m", "jrl.train", *args]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
     )
@@ -111,7 +120,7 @@ def assert_same_rows(want, got):
 def one_device(tmp_path_factory):
     """The reference: a fresh process that sees a single CPU device (mesh 1 x 1 x 1)."""
     workdir = tmp_path_factory.mktemp("one_device")
-    finish(driver(flags(workdir), devices=1))
+    finish(launch(flags(workdir), devices=1))
     return workdir
 
 
@@ -120,7 +129,6 @@ def meshes(tmp_path_factory):
     """In this process (8 devices): one run per mesh; records the shard shapes of the
     parameters when each checkpoint is saved."""
     mp = pytest.MonkeyPatch()
-    mp.setitem(rewards.REWARDS, "divisible_by_3", divisible_by_3)
     shards = {}
     save = checkpoint_lib.Checkpointer.save
 
@@ -188,7 +196,7 @@ def test_two_processes_match_one_process(meshes, tmp_path):
     port = free_port()
     args = flags(tmp_path, total_steps=2, **{"mesh.shape": (2, 2, 2)})
     procs = [
-        driver(
+        launch(
             [
                 *args,
                 f"--coordinator_address=localhost:{port}",
