@@ -5,10 +5,12 @@ The runs train on a GSM8K-style file with a Python reward (`tests/scale_rewards.
 `jax.pure_callback`), so the host-side reward path is checked on every layout too."""
 
 import json
+import signal
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -67,9 +69,8 @@ def launch(args, devices: int, **popen):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     cmd = [sys.executable, "-m", "jrl.train", *args]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
-    )
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, **pipes)
 
 
 def finish(proc):
@@ -213,3 +214,33 @@ def test_two_processes_match_one_process(meshes, tmp_path):
     assert [r["step"] for r in got] == [0, 1, 2]
     assert_same_rows(rows(meshes[(2, 2, 2)][0])[:3], got)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
+    """Preemption on a pod reaches the hosts at different times: a SIGTERM to process 1 only
+    stops both processes after the same step, with one checkpoint of that step, exit 42."""
+    port = free_port()
+    args = flags(tmp_path, total_steps=200)
+    procs = [
+        launch(
+            [*args, f"--coordinator_address=localhost:{port}", "--num_processes=2"]
+            + [f"--process_id={i}"],
+            devices=4,
+            stdout=subprocess.DEVNULL,  # nobody reads the logs while waiting: no full pipes
+            stderr=open(tmp_path / f"log{i}", "w"),
+        )
+        for i in range(2)
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # step 2 done
+        assert all(p.poll() is None for p in procs), (tmp_path / "log0").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    for i, p in enumerate(procs):
+        p.wait(timeout=300)
+        assert p.returncode == 42, (tmp_path / f"log{i}").read_text()[-3000:]
+    last = rows(tmp_path)[-1]["step"]
+    assert 2 <= last < 200
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(last)]
