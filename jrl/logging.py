@@ -1,15 +1,29 @@
-"""Metric writers: `metrics.jsonl` and tensorboardX events in the workdir, and a console progress bar."""
+"""Metric writers: `metrics.jsonl` and tensorboard events in the workdir; a console progress bar.
+
+The workdir may be a local directory or any `etils.epath` URI (`gs://bucket/run`, ...). Local
+workdirs are written in place: rows are appended to `metrics.jsonl` and flushed one by one, and
+tensorboardX writes its event file straight into the directory. Object stores have no append and
+show an object only once its upload is complete, so for a URI workdir the writer spools both files
+in a local temporary directory and uploads them whole (see `MetricWriter`).
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import shutil
+import tempfile
+import time
 from typing import Mapping
 
+from absl import logging as absl_logging
+from etils import epath
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
 
 # Progress-bar fields: (label, metric name, format).
 _BAR_FIELDS = (
@@ -29,17 +43,103 @@ def to_python(metrics: Mapping) -> dict:
     return out
 
 
-class MetricWriter:
-    """Appends one JSON object per write to `workdir/metrics.jsonl` and the same scalars to
-    tensorboard. `enabled=False` (every process but 0 in a multi-host run) writes nothing."""
+def is_remote(path) -> bool:
+    """True for a URI (`gs://...`, `s3://...`): a path that etils.epath maps to a remote store."""
+    return "://" in os.fspath(path)
 
-    def __init__(self, workdir: str, enabled: bool = True):
+
+def write_text(path, text: str) -> None:
+    """Replaces the file at `path` (local or an epath URI) with `text`, all or nothing.
+
+    Local: written to a sibling temporary file, then renamed over `path` (a crash leaves the old
+    or the new content, never half of it). URI: one whole-object upload, which object stores
+    such as GCS commit atomically.
+    """
+    if is_remote(path):
+        epath.Path(path).write_text(text)
+        return
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def trim_metrics(workdir, last_step: int) -> None:
+    """On resume, drops the `metrics.jsonl` rows of steps after `last_step` (they are redone).
+
+    Works for local and URI workdirs; a missing file is left missing. A row that does not parse
+    (the torn last line of a killed run) is dropped with the later steps.
+    """
+    path = epath.Path(workdir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row["step"] <= last_step:
+            kept.append(line + "\n")
+    write_text(os.fspath(path), "".join(kept))
+
+
+class MetricWriter:
+    """Writes one JSON object per `write` to `workdir/metrics.jsonl` and the same scalars (the
+    finite int / float ones) to tensorboard events in `workdir`. `enabled=False` (every process
+    but 0 in a multi-host run) writes nothing.
+
+    Local `workdir`: rows are appended to `metrics.jsonl` and flushed one by one; the event file
+    is written in `workdir` by tensorboardX.
+
+    URI `workdir` (`gs://bucket/run` or anything else `etils.epath` opens): rows are appended to
+    a local spool copy of `metrics.jsonl` (seeded with the remote file's rows, so a resumed run
+    keeps its history) and tensorboardX writes events into a local spool directory (its own
+    gs:// writer needs google-cloud-storage, which jrl does not depend on); both files are
+    uploaded through epath as whole objects (each upload is atomic on GCS: a reader sees the
+    previous or the new version) at the first write, then at most every `upload_every_s`
+    seconds, on `flush()`, on `close()`, and at interpreter exit if `close()` was never called.
+    Rewriting whole objects costs bandwidth in proportion to the files (metrics.jsonl grows about
+    2 KB a step) but needs no append, no object composition and no locking. A failed upload is
+    logged and retried at the next one; nothing is lost, as each upload rewrites the files whole.
+    If the upload in `close()` fails, the spool directory is kept and its path logged. A process
+    killed outright (SIGKILL) loses the rows written since the last upload: call `flush()` after
+    each checkpoint save, so that every step a resumed run will not redo has its row uploaded.
+    """
+
+    def __init__(self, workdir, enabled: bool = True, upload_every_s: float = 60.0):
         self.enabled = enabled
+        self._closed = not enabled
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        self._tb = SummaryWriter(logdir=workdir)
+        from tensorboardX import SummaryWriter  # imports torch when installed: only when used
+
+        self.remote = is_remote(workdir)
+        self._upload_every_s = upload_every_s
+        if not self.remote:
+            workdir = os.fspath(workdir)
+            os.makedirs(workdir, exist_ok=True)
+            self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+            self._tb = SummaryWriter(logdir=workdir)
+            return
+        self._remote = epath.Path(workdir)
+        self._spool = tempfile.mkdtemp(prefix="jrl-metrics-")
+        self._tb_dir = os.path.join(self._spool, "events")
+        self._uploaded: dict[str, int] = {}  # spool file -> size at its last upload
+        self._names: dict[str, str] = {}  # spool file -> its name in the workdir
+        self._last_upload = -math.inf
+        local = os.path.join(self._spool, METRICS_FILE)
+        remote = self._remote / METRICS_FILE
+        with open(local, "w") as f:
+            if remote.exists():
+                text = remote.read_text()
+                f.write(text if not text or text.endswith("\n") else text + "\n")
+        self._uploaded[local] = os.path.getsize(local)
+        self._jsonl = open(local, "a")
+        self._tb = SummaryWriter(logdir=self._tb_dir)
+        atexit.register(self.close)
 
     def write(self, step: int, metrics: Mapping) -> None:
         if not self.enabled:
@@ -50,15 +150,84 @@ class MetricWriter:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, global_step=step)
+        if self.remote and time.monotonic() - self._last_upload >= self._upload_every_s:
+            self._upload()
+
+    def flush(self) -> bool:
+        """Makes every row and event written so far durable in the workdir (for a URI workdir:
+        uploads now). Returns False if an upload failed (the failure is logged)."""
+        if not self.enabled or self._closed:
+            return True
+        self._jsonl.flush()
+        self._tb.flush()
+        return self._upload() if self.remote else True
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        """Flushes and closes; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jsonl.close()
+        self._tb.close()
+        if not self.remote:
+            return
+        atexit.unregister(self.close)
+        if self._upload():
+            shutil.rmtree(self._spool, ignore_errors=True)
+        else:
+            absl_logging.error(
+                "metrics for %s were not uploaded; they are kept in %s (copy them there by hand).",
+                self._remote,
+                self._spool,
+            )
+
+    def __enter__(self) -> MetricWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _remote_path(self, local: str) -> epath.Path:
+        """Where a spool file goes. An event file is named after the second it was opened in and
+        the host; one of an earlier writer with that name (a quick restart) is never replaced."""
+        if local not in self._names:
+            name = os.path.basename(local)
+            if local != self._jsonl.name:
+                base, n = name, 0
+                while (self._remote / name).exists():
+                    n += 1
+                    name = f"{base}.{n}"
+            self._names[local] = name
+        return self._remote / self._names[local]
+
+    def _upload(self) -> bool:
+        """Uploads the spool files that changed since their last upload, whole."""
+        self._last_upload = time.monotonic()  # a failed attempt also waits for the next slot
+        self._tb.flush()
+        files = [os.path.join(self._spool, METRICS_FILE)]
+        if os.path.isdir(self._tb_dir):
+            files += [os.path.join(self._tb_dir, n) for n in sorted(os.listdir(self._tb_dir))]
+        try:
+            for local in files:
+                size = os.path.getsize(local)
+                if self._uploaded.get(local) == size:
+                    continue  # both files only grow: the same size is the same content
+                with open(local, "rb") as f:
+                    self._remote_path(local).write_bytes(f.read())
+                self._uploaded[local] = size
+        except Exception as e:  # a transient store error must not stop a long run
+            absl_logging.warning(
+                "uploading metrics to %s failed (%s: %s); retrying at the next upload.",
+                self._remote,
+                type(e).__name__,
+                e,
+            )
+            return False
+        return True
 
 
 class ProgressBar:
-    """tqdm bar over RL steps showing reward, last eval accuracy, KL and tokens/s (ETA from tqdm)."""
+    """tqdm bar over RL steps: reward, last eval accuracy, KL and tokens/s (ETA from tqdm)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = tqdm.tqdm(

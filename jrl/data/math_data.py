@@ -55,18 +55,35 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
     """Reads `fields` of every record of `files` (in order) -> {field: [N] values}.
 
     A field may name a nested value with dots ("reward_model.ground_truth"). Raises a one-line
-    ValueError for a missing or unreadable file, an unsupported extension, a missing field (the
-    fields present are listed) or no records.
+    ValueError naming the file or field and the fix for: no files, a missing file, a directory, a
+    glob that matches nothing, an unreadable file (permissions), an unsupported extension, mixed
+    formats, a file the reader cannot parse, no records, a missing field (the fields present are
+    listed) and a record whose field is null or absent.
     """
     import datasets
 
     paths = _file_list(files)
     if not paths:
         raise ValueError(f"no {split} files given: pass {split}_files='path/to/{split}.parquet'.")
-    builders = set()
+    builders, matched = set(), []
     for path in paths:
-        if not (glob.glob(path) if glob.has_magic(path) else os.path.isfile(path)):
-            raise ValueError(f"{split} file {path!r} does not exist: check the path.")
+        if glob.has_magic(path):
+            found = sorted(glob.glob(path))
+            if not found:
+                raise ValueError(
+                    f"{split} files {path!r} match no file: check the pattern in {split}_files."
+                )
+        elif os.path.isdir(path):
+            raise ValueError(
+                f"{split} file {path!r} is a directory: give its files in {split}_files, "
+                f"comma-separated or as a pattern such as '{os.path.join(path, '*.parquet')}'."
+            )
+        elif not os.path.isfile(path):
+            raise ValueError(
+                f"{split} file {path!r} does not exist: check the path given in {split}_files."
+            )
+        else:
+            found = [path]
         ext = os.path.splitext(path)[1].lower()
         if ext not in _BUILDERS:
             raise ValueError(
@@ -74,15 +91,26 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
                 f"{', '.join(sorted(_BUILDERS))}."
             )
         builders.add(_BUILDERS[ext])
-    if all(os.path.getsize(f) == 0 for p in paths for f in (glob.glob(p) or [p])):
+        matched += found
+    for f in matched:
+        if not os.access(f, os.R_OK):
+            raise ValueError(
+                f"{split} file {f!r} is not readable (permission denied): make it readable "
+                f"(chmod a+r) or copy it somewhere this user can read."
+            )
+    if all(os.path.getsize(f) == 0 for f in matched):
         raise ValueError(f"{split} file(s) {paths} hold no records (the files are empty).")
     if len(builders) > 1:
         raise ValueError(f"{split} files {paths} mix formats: give files of one format.")
+    builder = builders.pop()
     try:
-        ds = datasets.load_dataset(builders.pop(), data_files=paths, split="train")
+        ds = datasets.load_dataset(builder, data_files=paths, split="train")
     except Exception as e:
+        root = _root_cause(e)
+        detail = (str(root).strip().splitlines() or [""])[0][:200].rstrip(".")
         raise ValueError(
-            f"could not read {split} file(s) {paths}: {type(e).__name__}: {e}".splitlines()[0]
+            f"could not read {split} file(s) {paths} as {builder}: {type(root).__name__}: "
+            f"{detail}; check that each file is {_FORMAT_HINTS[builder]}."
         ) from e
     if len(ds) == 0:
         raise ValueError(f"{split} file(s) {paths} hold no records.")
@@ -92,7 +120,8 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
         if top not in ds.column_names:
             raise ValueError(
                 f"field {field!r} not in {split} file(s) {paths}: the fields present are "
-                f"{', '.join(ds.column_names)}; set the task's field names to match."
+                f"{', '.join(ds.column_names)}; set the task's question_field / answer_field (or "
+                "template) to match."
             )
         values = ds[top]
         for depth, key in enumerate(rest):
@@ -104,8 +133,34 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
                     f"{', '.join(present) or '(none)'}; set the task's field names to match."
                 )
             values = [v[key] for v in values]
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            raise ValueError(
+                f"{split} record {missing[0]} (counting from 0) of {paths} has no {field!r} "
+                f"(null or absent in {len(missing)} of {len(values)} records): fix or remove "
+                "those records."
+            )
         out[field] = list(values)
     return out
+
+
+# What a file of each reader must hold (the hint of a read error).
+_FORMAT_HINTS = {
+    "parquet": "a valid parquet file",
+    "json": "JSON Lines (one JSON object per line) or a JSON list of objects, in UTF-8",
+    "csv": "UTF-8 CSV with a header row",
+}
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain (the reader's own error, not its wrappers)."""
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__ or error.__context__
+        if inner is None or id(inner) in seen:
+            return error
+        seen.add(id(inner))
+        error = inner
 
 
 def _is_messages(value) -> bool:
