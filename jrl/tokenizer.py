@@ -74,7 +74,11 @@ def load_hf_tokenizer(path: str) -> transformers.PreTrainedTokenizerFast:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ValueError(
+            f"could not load a tokenizer from {path!r} ({reason}): check that its tokenizer "
+            "files are complete (re-save with tokenizer.save_pretrained(path)), or pass 'char'."
+        ) from e
     if not isinstance(tokenizer, transformers.PreTrainedTokenizerFast):
         raise ValueError(
             f"tokenizer in {path!r} is a slow {type(tokenizer).__name__}; jrl needs a fast "

@@ -24,12 +24,11 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 from absl import app, flags, logging
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
@@ -38,6 +37,7 @@ from ml_collections import config_flags
 from jrl import checkpoint as checkpoint_lib
 from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
+from jrl import logging as metric_files
 from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import transformer
 
@@ -249,14 +249,20 @@ def check_finite(cfg, metrics: dict, consecutive: int) -> int:
     return consecutive
 
 
-def _trim_metrics(workdir: str, last_step: int) -> None:
-    """On resume, drop metrics.jsonl rows of steps after the checkpoint (they are redone)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-        with open(path, "w") as f:
-            f.writelines(rows)
+def check_writable(workdir: str) -> None:
+    """Creates `workdir` (local or gs://) and writes and deletes a probe file in it; ConfigError
+    with the reason if that fails, before anything else is written."""
+    probe = epath.Path(workdir) / f".jrl-write-probe-{os.getpid()}-{jax.process_index()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except Exception as e:  # OSError locally; a storage client's own errors for gs://
+        reason = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]
+        raise config_lib.ConfigError(
+            f"--workdir={workdir} is not writable ({reason}); choose a directory you can "
+            f"create and write to."
+        ) from None
 
 
 def run(cfg, workdir: str) -> dict:
@@ -269,15 +275,7 @@ def run(cfg, workdir: str) -> dict:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=workdir):
-            pass
-    except OSError as e:
-        raise config_lib.ConfigError(
-            f"--workdir={workdir} is not writable ({e.strerror or e}); choose a directory you "
-            f"can create and write to."
-        ) from None
+    check_writable(workdir)
     long_prompts = prompt_counts(task)
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
@@ -326,11 +324,12 @@ def run(cfg, workdir: str) -> dict:
         state, extra, start = resumed
         logging.info("resumed from %s at step %d", ckpt.directory, start)
         if jax.process_index() == 0:
-            _trim_metrics(workdir, start)
+            metric_files.trim_metrics(workdir, start)
     main_process = jax.process_index() == 0
     if main_process:  # after a successful restore
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json_best_effort(indent=2))
+        metric_files.write_text(
+            os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)
+        )
     step_fn = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **ids),
         in_shardings=(state_sh, batch_sh),
@@ -365,7 +364,7 @@ def run(cfg, workdir: str) -> dict:
     consecutive_skips = 0
     with checkpoint_lib.PreemptionGuard() as guard:
         for i in range(start, cfg.total_steps):
-            local = {k: v[my_rows] for k, v in task.train_batch(i, batch_size).items()}
+            local = task.train_batch(i, batch_size, rows=my_rows)  # only this host's rows
             batch = sharding.global_batch(local, batch_sh, batch_size)
             t = time.perf_counter()
             with jax.set_mesh(mesh):
@@ -381,7 +380,8 @@ def run(cfg, workdir: str) -> dict:
             writer.write(done, metrics)
             bar.update(metrics)
             consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
-            ckpt.maybe_save(done, state, extra(done))
+            if ckpt.maybe_save(done, state, extra(done)):
+                writer.flush()  # a resumed run does not redo the rows up to a checkpoint
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
                 ckpt.save(done, state, extra(done))
                 ckpt.close()
@@ -397,13 +397,12 @@ def run(cfg, workdir: str) -> dict:
 
 
 def start_fresh(workdir: str) -> None:
-    """--fresh: move an existing checkpoints/ aside (nothing saved is deleted)."""
-    old = os.path.join(workdir, checkpoint_lib.CHECKPOINTS_DIR)
-    if os.path.exists(old):
-        shutil.move(old, f"{old}.{time.strftime('%Y%m%d-%H%M%S')}")
-    ref = os.path.join(workdir, checkpoint_lib.REFERENCE_DIR)
-    if os.path.exists(ref):
-        shutil.move(ref, f"{ref}.{time.strftime('%Y%m%d-%H%M%S')}")
+    """--fresh: move an existing checkpoints/ and reference/ aside (nothing saved is deleted)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in (checkpoint_lib.CHECKPOINTS_DIR, checkpoint_lib.REFERENCE_DIR):
+        old = epath.Path(workdir) / name
+        if old.exists():
+            old.rename(old.parent / f"{name}.{stamp}")
 
 
 def main(argv):

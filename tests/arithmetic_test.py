@@ -205,3 +205,13 @@ def test_exact_match_jit_and_registry(tok):
     np.testing.assert_array_equal(scores, [1, 0, 0, 1, 1, 1, 1, 1])
     with pytest.raises(ValueError, match="unknown reward 'nope'.*arithmetic_exact_match"):
         rewards.get_reward("nope")
+
+
+def test_rows_pick_a_hosts_share_of_the_same_batch(tok):
+    task = ArithmeticTask(tok, ops=("+", "-"), seed=3)
+    whole = task.train_batch(5, 32)
+    for rows in (slice(0, 8), slice(8, 24), slice(24, 32)):
+        part = task.train_batch(5, 32, rows=rows)
+        assert part.keys() == whole.keys()
+        for k in whole:
+            np.testing.assert_array_equal(part[k], whole[k][rows], err_msg=k)

@@ -248,3 +248,14 @@ def test_registry(tok, files):
     )
     with pytest.raises(ValueError, match="unknown task 'gsm9k'.*arithmetic, gsm8k, math"):
         data.make_task("gsm9k", tok)
+
+
+def test_rows_pick_a_hosts_share_of_the_same_batch(tok, files):
+    task = make(tok, files)
+    whole = task.train_batch(3, 4)
+    part = task.train_batch(3, 4, rows=slice(2, 4))
+    assert part.keys() == whole.keys()
+    for k in whole:
+        np.testing.assert_array_equal(part[k], whole[k][2:4], err_msg=k)
+    # The rows are the positions of the step's seeded order, not file rows.
+    assert list(part["row_id"]) == list(task.train_indices(3, 4)[2:4])

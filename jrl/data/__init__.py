@@ -1,7 +1,8 @@
 """Tasks: prompt batches and reference answers, picked by name from the config.
 
-Every task has `train_batch(step, batch_size, stream=0) -> dict of numpy` (a pure function of the
-seed, stream and step), `eval_batch()`, and the attributes `prompt_length`, `max_response_length`,
+Every task has `train_batch(step, batch_size, stream=0, rows=slice(None)) -> dict of numpy` (a
+pure function of the seed, stream and step; `rows` picks a host's share of the batch),
+`eval_batch()`, and the attributes `prompt_length`, `max_response_length`,
 `eos_id`, `pad_id`, `bos_id`. `make_task(name, tokenizer, **kwargs)` builds one:
 
   "arithmetic"  built-in synthetic arithmetic (jrl/data/arithmetic.py); kwargs: num_digits, ops,

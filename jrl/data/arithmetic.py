@@ -188,9 +188,13 @@ class ArithmeticTask:
             answer_len=answer_len,
         )
 
-    def train_batch(self, step: int, batch_size: int, stream: int = 0) -> dict:
-        """The train batch of `step`: `batch_size` rows, same (seed, stream, step) -> same batch."""
-        return self.encode(self.sample_train_problems(step, batch_size, stream))
+    def train_batch(
+        self, step: int, batch_size: int, stream: int = 0, rows: slice = slice(None)
+    ) -> dict:
+        """The train batch of `step`: `batch_size` rows, same (seed, stream, step) -> same batch.
+        `rows`: only those rows of it (a host's share in a multi-host run)."""
+        problems = self.sample_train_problems(step, batch_size, stream)
+        return self.encode(Problems(*(field[rows] for field in problems)))
 
     def eval_batch(self) -> dict:
         """The whole eval split (`eval_size` rows) in a fixed order; computed once."""

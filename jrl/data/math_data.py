@@ -450,10 +450,13 @@ class MathTask:
             split=np.full(len(row_ids), split, np.int32),
         )
 
-    def train_batch(self, step: int, batch_size: int, stream: int = 0) -> dict:
+    def train_batch(
+        self, step: int, batch_size: int, stream: int = 0, rows: slice = slice(None)
+    ) -> dict:
         """The train batch of `step`: same (seed, stream, step, batch_size) -> same batch.
-        Streams keep uses apart (0: RL steps, 1: a supervised warm-up, 2: probes)."""
-        return self.encode(0, self.train_indices(step, batch_size, stream))
+        Streams keep uses apart (0: RL steps, 1: a supervised warm-up, 2: probes). `rows`: only
+        those rows of it (a host's share in a multi-host run)."""
+        return self.encode(0, self.train_indices(step, batch_size, stream)[rows])
 
     def eval_batch(self) -> dict:
         """The eval rows (`eval_size`) in file order; computed once."""
