@@ -228,3 +228,19 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
         jax.device_get(single.params),
     )
     assert int(state.step) == 2
+
+
+def test_constrain_pins_the_kv_cache_under_a_mesh_and_is_a_no_op_without():
+    pin = jax.jit(lambda c: sharding.constrain(c, sharding.CACHE_AXES))
+    cache = transformer.init_cache(CFG, 8, 10)  # every layer's k / v: [8, 10, 2 kv heads, 4]
+    mesh = sharding.make_mesh(shape=(2, 2, 2))
+    with jax.set_mesh(mesh):
+        pinned = pin(cache)
+    want = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    for entry in jax.tree.leaves(pinned):
+        assert entry.sharding.is_equivalent_to(want, 4)
+        assert shard_shapes(entry) == {(2, 10, 1, 4)}
+    with jax.set_mesh(sharding.make_mesh(shape=(1, 2, 4))):  # 4 does not divide 2 kv heads
+        assert shard_shapes(pin(cache)[0]["k"]) == {(4, 10, 2, 4)}
+    free = pin(cache)  # no mesh in context: left to the compiler (one device here)
+    assert len(free[0]["k"].sharding.device_set) == 1
