@@ -545,8 +545,9 @@ class PreemptionGuard:
 
     The first signal sets `requested`; the loop checks `should_stop(step)` after each step and
     then saves (force), waits for the save, and exits with `PREEMPTED_EXIT_CODE` (`raise
-    Preempted(step)`). A second signal exits at once with `FORCED_EXIT_CODE` (`os._exit`, no
-    cleanup): checkpoints that had committed stay intact, and a save in flight stays an
+    Preempted(step)`). A second signal exits at once, even in the middle of a long step, with
+    `FORCED_EXIT_CODE` (`os._exit` from a watcher thread woken through `signal.set_wakeup_fd`;
+    no cleanup): checkpoints that had committed stay intact, and a save in flight stays an
     unfinished tmp directory that resuming skips.
 
     On multi-process runs (TPU pods) `should_stop` agrees the requests across processes (one
@@ -563,10 +564,30 @@ class PreemptionGuard:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd: int | None = None
+        self._wakeup_write_fd: int | None = None
         self.requested = False
         self.signal_name: str | None = None
 
     def _handle(self, signum, frame) -> None:
+        """The Python-level handler: it only keeps the default action (termination) away. It
+        runs when the main thread next executes Python code, which can be a whole step later (a
+        long XLA call, or a sleep when the kernel delivered the signal to another thread), so the
+        watcher thread acts instead, woken at once through the wakeup fd (see `__enter__`)."""
+
+    def _watch(self, read_fd: int) -> None:
+        """Reads the signal numbers CPython's C-level handler writes to the wakeup fd the moment
+        a signal arrives; ends when `__exit__` closes the write end."""
+        wanted = {int(s) for s in self._signals}
+        try:
+            while data := os.read(read_fd, 64):
+                for signum in data:
+                    if signum in wanted:
+                        self._on_signal(signum)
+        finally:
+            os.close(read_fd)
+
+    def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.requested:
             os.write(2, f"\n{name} again: exiting now (code {FORCED_EXIT_CODE}).\n".encode())
@@ -590,6 +611,13 @@ class PreemptionGuard:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler must never block
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._wakeup_write_fd = write_fd
+        threading.Thread(
+            target=self._watch, args=(read_fd,), name="jrl-preemption-guard", daemon=True
+        ).start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -597,6 +625,10 @@ class PreemptionGuard:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous)
         self._previous.clear()
+        if self._wakeup_write_fd is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            os.close(self._wakeup_write_fd)  # the watcher reads EOF and ends
+            self._wakeup_write_fd = None
 
     def should_stop(self, step: int) -> bool:
         """True once a stop was requested (on any process) or JAX's preemption sync point is

@@ -276,6 +276,7 @@ def run(cfg, workdir: str) -> dict:
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     check_writable(workdir)
+    main_process = jax.process_index() == 0  # the one that writes metrics and config.json
     long_prompts = prompt_counts(task)
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
@@ -323,9 +324,8 @@ def run(cfg, workdir: str) -> dict:
     else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
         state, extra, start = resumed
         logging.info("resumed from %s at step %d", ckpt.directory, start)
-        if jax.process_index() == 0:
+        if main_process:
             metric_files.trim_metrics(workdir, start)
-    main_process = jax.process_index() == 0
     if main_process:  # after a successful restore
         metric_files.write_text(
             os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import flax
@@ -278,6 +279,9 @@ def test_guard_sets_flag_and_restores_handlers(sig):
         assert signal.getsignal(sig) == guard._handle
         assert not guard.should_stop(0)
         os.kill(os.getpid(), sig)  # handled: the process survives, no KeyboardInterrupt
+        deadline = time.monotonic() + 5  # the guard's watcher thread records it
+        while not guard.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert guard.requested and guard.signal_name == sig.name and guard.should_stop(1)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert isinstance(ckpt_lib.Preempted(3), SystemExit)
@@ -286,7 +290,7 @@ def test_guard_sets_flag_and_restores_handlers(sig):
 
 # A training loop in a child process: one "step" takes a while; the parent signals it.
 _LOOP = """
-import os, sys, time
+import os, signal, sys, time
 import jax, jax.numpy as jnp
 sys.path.insert(0, {repo!r})
 from jrl import checkpoint as ckpt_lib
@@ -296,10 +300,17 @@ state = {{"w": jnp.zeros((256, 256)), "step": jnp.int32(0), "key": jax.random.ke
 ck.save(1, state, {{"next_batch": 1}})
 ck.wait()
 {before_loop}
+def the_step(seconds):
+    # The step's work, like a long XLA call: the main thread runs no Python code until it ends,
+    # and signals go to the process's other threads (blocked in this one).
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM, signal.SIGINT}})
+    time.sleep(seconds)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 with ckpt_lib.PreemptionGuard() as guard:
     print("ready", flush=True)
     for step in range(2, 10_000):
-        time.sleep({step_seconds})  # the step's work
+        the_step({step_seconds})
         state = {{"w": state["w"] + 1, "step": jnp.int32(step), "key": state["key"]}}
         ck.maybe_save(step, state, {{"next_batch": step}})
         if guard.should_stop(step):
@@ -366,6 +377,7 @@ def test_second_signal_exits_at_once_and_keeps_committed_checkpoints(tmp_path, c
     ck.save(2, {"w": jnp.ones((256, 256)), "step": jnp.int32(2), "key": state["key"]}, {})
     """
     proc = _start(tmp_path, before_loop=before_loop, step_seconds=60)
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     for line in proc.stderr:  # signals sent back to back may merge: wait for the first's handler
         if "Received SIGTERM" in line:
@@ -373,6 +385,8 @@ def test_second_signal_exits_at_once_and_keeps_committed_checkpoints(tmp_path, c
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == ckpt_lib.FORCED_EXIT_CODE, err
+    # Both signals acted in the middle of the 60 s step, not after it.
+    assert time.monotonic() - t0 < 30
     tmp = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
     assert tmp.is_dir() and not (tmp_path / "checkpoints" / "2").exists()
     with caplog.at_level(logging.WARNING), checkpointer(tmp_path) as ck:
