@@ -205,7 +205,7 @@ ensure_vm() {
   done
 }
 
-# Copy the code to every worker, install it with jax[tpu], copy ASSETS.
+# Copy the code to every worker, install it with the tpu and gcs extras (libtpu, gcsfs for gs:// metrics), copy ASSETS.
 setup() {
   local fetch root tarball asset dest
   if [[ -n "$REPO_URL" ]]; then
@@ -225,7 +225,7 @@ setup() {
   log "installing on all workers"
   tpu_ssh all "set -e" "$fetch" "cd $CODE" \
     "python3 -m pip install --quiet --upgrade pip" \
-    "python3 -m pip install --quiet -e . 'jax[tpu]'" || return 1
+    "python3 -m pip install --quiet -e '.[tpu,gcs]'" || return 1
   for asset in $ASSETS; do
     [[ "$asset" == gs://* ]] || die "ASSETS entry $asset is not a gs:// path"
     dest="$ASSETS_DIR/$(basename "$asset")"

@@ -95,7 +95,7 @@ def test_tpu_pod_dry_run_prints_create_install_and_run_on_all_workers(tmp_path):
     assert "--version=v2-alpha-tpuv5" in create  # the runtime follows the accelerator
     one(cmds, "git -C", "archive", "HEAD")
     one(cmds, "tpu-vm scp", "--worker=all")
-    one(cmds, "tpu-vm ssh pod1", "--worker=all", "pip install", "-e .", "jax[tpu]")
+    one(cmds, "tpu-vm ssh pod1", "--worker=all", "pip install", "-e", ".[tpu,gcs]")
     one(cmds, "--worker=all", "gcloud storage cp -r gs://bucket/models/Qwen2.5-7B /tmp/jrl_assets")
     start = one(cmds, "--worker=all", "-m jrl.train")
     for part in [
