@@ -97,8 +97,7 @@ def init_distributed() -> None:
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`)."""
     if cfg.model.hf_path:
-        with open(os.path.join(cfg.model.hf_path, "config.json")) as f:
-            hf_cfg = models.model_config_from_hf(json.load(f), dtype=cfg.model.param_dtype)
+        hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
         return dataclasses.replace(hf_cfg, dtype=cfg.model.dtype)
     fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
     fields["head_dim"] = fields["head_dim"] or None
@@ -124,6 +123,15 @@ def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shar
         abstract = jax.eval_shape(init)
         init = sharding.sharded_init(init, mesh, {k: shardings[k] for k in abstract})
     return {**init(), **loaded}
+
+
+def sampling_ids(tok, task) -> dict:
+    """The token ids and response length that make_step / make_phases / make_eval take."""
+    return {
+        "eos_id": tok.eos_token_id,
+        "pad_id": tok.pad_token_id,
+        "max_new_tokens": task.max_response_length,
+    }
 
 
 def prompt_counts(task) -> dict:
@@ -281,9 +289,7 @@ def run(cfg, workdir: str) -> dict:
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
-    ids = dict(
-        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=task.max_response_length
-    )
+    ids = sampling_ids(tok, task)
     evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)

@@ -36,14 +36,7 @@ def _run_three_steps(cfg):
     params = train.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     traces = []
-    inner = step_lib.make_step(
-        cfg,
-        model_cfg,
-        reward_fn,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-        max_new_tokens=task.max_response_length,
-    )
+    inner = step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task))
 
     def counted(state, batch):
         traces.append(1)

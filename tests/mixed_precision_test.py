@@ -56,14 +56,7 @@ def test_fused_step_in_bfloat16_keeps_float32_state():
     params = train.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     step = jax.jit(
-        step_lib.make_step(
-            cfg,
-            model_cfg,
-            reward_fn,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            max_new_tokens=task.max_response_length,
-        ),
+        step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)),
         donate_argnums=0,
     )
     for i in range(2):

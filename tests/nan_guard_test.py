@@ -49,16 +49,7 @@ def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
     params = train.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-    step = jax.jit(
-        step_lib.make_step(
-            cfg,
-            model_cfg,
-            reward_fn,
-            eos_id=tok.eos_token_id,
-            pad_id=tok.pad_token_id,
-            max_new_tokens=task.max_response_length,
-        )
-    )
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
     new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
     assert int(metrics["training/step_skipped"]) == 1 and int(new.step) == 1
     after = jax.tree.map(np.asarray, (new.params, new.opt_state))

@@ -172,12 +172,7 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
     tok, task, _, model_cfg = train.build(cfg)
-    ids = {
-        "eos_id": tok.eos_token_id,
-        "pad_id": tok.pad_token_id,
-        "max_new_tokens": task.max_response_length,
-    }
-    step = step_lib.make_step(cfg, model_cfg, varied_reward, **ids)
+    step = step_lib.make_step(cfg, model_cfg, varied_reward, **train.sampling_ids(tok, task))
     init = lambda: step_lib.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
     )

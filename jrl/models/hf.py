@@ -30,6 +30,7 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jrl import sharding as jrl_sharding
 from jrl.models import transformer as tfm
 
 CONFIG_FILE = "config.json"
@@ -459,7 +460,7 @@ def _place(value: np.ndarray, sharding) -> jax.Array:
     only its addressable shards, copied out of `value`)."""
     if sharding is None:
         return jax.numpy.asarray(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return jrl_sharding.put(value, sharding)
 
 
 def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.ModelConfig, Any]:
