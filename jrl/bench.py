@@ -1,4 +1,5 @@
 """Benchmark of the fused RL step: python -m jrl.bench --workload=W1|W2 [--steps=10] [--json]
+"Will it fit?": python -m jrl.bench --memory --config=configs/X.py[:presets] [--config.a.b=v ...]
 
 Workloads are fixed so that other systems can run the same ones (random-initialised Qwen2-style
 decoder, the built-in character vocabulary, arithmetic prompts; GRPO, one optimizer update per
@@ -14,12 +15,20 @@ Reported: compile time of the fused step, steady-state seconds per step (median 
 steps after compile), tokens/s (generated tokens, and prompt + generated), and the split of a step
 into rollout + reward / log-probs + advantages / update, timed by jitting the same three phase functions
 (`jrl.step.make_phases`) separately.
+
+`--memory` compiles (never runs) the fused step of a config on the current devices and its mesh
+with abstract inputs (no parameter is allocated) and reports XLA's compile-time memory analysis per
+device: temporaries, arguments (the train state and the prompt batch), outputs, what the donated
+state aliases, and the peak. With forced host devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.shape="(1,8,1)"`) it gives
+the per-device figure of a sharded run before any accelerator is paid for.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -27,8 +36,10 @@ import jax
 import numpy as np
 
 from jrl import config as config_lib
+from jrl import sharding
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
+from jrl import train
 from jrl.data.arithmetic import ArithmeticTask
 from jrl.models import transformer
 from jrl.rewards import get_reward
@@ -56,6 +67,12 @@ WORKLOADS = {
 _WORKLOAD = flags.DEFINE_enum("workload", "W1", sorted(WORKLOADS), "Which fixed workload to run.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps after compilation (median reported).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+_MEMORY = flags.DEFINE_bool(
+    "memory",
+    False,
+    "Compile (never run) the fused step of --config on the current devices and report XLA's "
+    "memory analysis per device instead of timing a workload.",
+)
 
 
 def workload_config(name: str):
@@ -140,8 +157,70 @@ def run(name: str, steps: int = 10) -> dict:
     }
 
 
+def memory_report(cfg) -> dict:
+    """XLA's compile-time memory analysis of the fused step of `cfg` on the current devices and
+    `cfg.mesh`, per device, from abstract inputs: nothing is allocated or run. Bytes:
+    `argument_bytes` (train state + prompt batch), `output_bytes`, `alias_bytes` (outputs written
+    into the donated state), `temp_bytes` (everything the step allocates while it runs), and
+    `peak_bytes` = arguments + outputs - aliased + temporaries (XLA's own `peak_memory_in_bytes`
+    is not filled in on every backend)."""
+    config_lib.validate(cfg)
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    key = jax.random.key(0)
+    init = lambda: step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
+    step_fn, abstract, state_sh, batch_sh = train.jit_step(
+        cfg, model_cfg, reward_fn, train.sampling_ids(tok, task), mesh, init
+    )
+    batch = task.train_batch(0, step_lib.prompts_per_step(cfg))  # host arrays: only shapes used
+    abstract_in = lambda tree, sh: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh
+    )
+    t = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(
+            abstract_in(abstract, state_sh), abstract_in(batch, jax.tree.map(lambda _: batch_sh, batch))
+        ).compile()
+    compile_s = time.perf_counter() - t
+    m = compiled.memory_analysis()
+    argument, output, alias, temp = (
+        m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes
+    )
+    peak = argument + output - alias + temp
+    prompts = step_lib.prompts_per_step(cfg)
+    return {
+        "temp_bytes": int(temp),
+        "argument_bytes": int(argument),
+        "output_bytes": int(output),
+        "alias_bytes": int(alias),
+        "peak_bytes": int(peak),
+        "peak_gb": round(peak / 1e9, 2),
+        "compile_s": round(compile_s, 1),
+        "devices": jax.device_count(),
+        "device": str(jax.devices()[0].device_kind),
+        "mesh": dict(mesh.shape),
+        "prompts": prompts,
+        "rows": prompts * cfg.rollout.n,
+        "mini_batch_rows": cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+        "prompt_length": int(batch["input_ids"].shape[1]),
+        "response_length": int(task.max_response_length),
+        "params": int(sum(x.size for x in jax.tree.leaves(abstract.params))),
+    }
+
+
 def main(argv):
     del argv
+    if _MEMORY.value:
+        cfg = train._CONFIG.value
+        if cfg is None:
+            raise app.UsageError("--memory needs --config=configs/X.py[:presets]")
+        try:
+            result = memory_report(cfg)
+        except config_lib.ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(json.dumps(result) if _JSON.value else "\n".join(f"{k:<28} {v}" for k, v in result.items()))
+        return
     result = run(_WORKLOAD.value, _STEPS.value)
     if _JSON.value:
         print(json.dumps(result))
@@ -155,4 +234,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=train.parse_flags)

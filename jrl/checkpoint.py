@@ -8,7 +8,7 @@ Layout under the run's workdir (any `etils.epath` path, e.g. `gs://bucket/run`):
     reference/0/params         the frozen reference params, saved once per run
 
 The state is any pytree, typically the `TrainState` flax struct dataclass. It is stored as a
-nested dict named by the pytree paths (`params/layers_0/attn/kernel`, `opt_state/1/0/mu/...`),
+nested dict named by the pytree paths (`params/layers/attn/q_proj`, `opt_state/1/0/mu/...`),
 typed PRNG keys as their raw key data (`jax.random.key_data`), `None` fields as nothing. Restoring
 needs a target with the run's structure: a concrete state or `jax.eval_shape` of its init; the
 result has the target's pytree structure, dtypes and, where the target carries them, shardings.

@@ -17,6 +17,7 @@ import ml_collections
 from jrl import data, rewards
 from jrl.algos import advantages, group_ppo, kl, losses
 from jrl.data import math_data
+from jrl.models import attention, transformer
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -61,6 +62,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.max_position_embeddings = 8192  # context length written on export (RoPE sets no limit)
     c.model.dtype = "float32"  # compute dtype (float32 | bfloat16)
     c.model.param_dtype = "float32"  # master-weight dtype
+    # Memory at long lengths (they change how the step is computed, not what):
+    c.model.remat = "none"  # recompute in the backward: none | block (each decoder block) | dots
+    c.model.attention = "auto"  # auto | xla (materialised) | blockwise | cudnn (GPU); auto picks
+    c.model.attention_block_size = 512  # query positions per block of blockwise attention
+    c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
 
     c.tokenizer = (
         "char"  # "char": built-in character tokenizer; a local HF tokenizer dir; "": model.hf_path
@@ -101,6 +107,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature (also applied to log-probs in the update)
     c.rollout.top_k = 0  # keep the k most likely tokens; 0: off
     c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0: off
+    c.rollout.log_prob_micro_batch_size_per_device = (
+        0  # rows per device per old / reference log-prob and value forward; 0: all rows at once
+    )
 
     c.actor = ml_collections.ConfigDict()
     c.actor.lr = 1e-3  # peak learning rate (AdamW)
@@ -110,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.grad_clip = 1.0  # global-norm gradient clipping
     c.actor.ppo_epochs = 1  # passes over the rollout batch per step
     c.actor.ppo_mini_batch_size = 16  # prompts per optimizer update (rows: x rollout.n)
+    c.actor.ppo_micro_batch_size_per_device = (
+        0  # rows per device per forward / backward, gradients summed; 0: the whole mini-batch
+    )
     c.actor.policy_loss = "vanilla"  # policy loss (jrl.algos.losses.policy_loss_names())
     c.actor.clip_ratio = 0.2  # PPO clip epsilon (default of the two below)
     c.actor.clip_ratio_low = 0.2  # lower clip: ratio >= 1 - clip_ratio_low
@@ -181,6 +193,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.cliprange_value = 0.5  # value clipping around the rollout-time values
     c.critic.loss_agg_mode = "token-mean"  # aggregation of the value loss
     c.critic.vf_coef = 1.0  # weight of the value loss in the shared-backbone loss
+    c.critic.ppo_micro_batch_size_per_device = (
+        0  # separate critic: rows per device per forward / backward; 0: the whole mini-batch
+    )
     c.critic.critic_warmup = 0  # RL steps that train only the critic (verl: trainer.critic_warmup)
 
     c.reward = ml_collections.ConfigDict()
@@ -411,4 +426,14 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
         f"model.max_position_embeddings={m.max_position_embeddings} must be >= 1.",
     )
     _choice("model.dtype", m.dtype, MODEL_DTYPES)
+    _choice("model.remat", m.remat, transformer.REMAT_POLICIES)
+    _choice("model.attention", m.attention, attention.IMPLEMENTATIONS)
+    _check(
+        m.attention_block_size >= 1,
+        f"model.attention_block_size={m.attention_block_size} must be >= 1.",
+    )
+    _check(
+        m.logits_chunk_size >= 0,
+        f"model.logits_chunk_size={m.logits_chunk_size} must be >= 0 (0: all positions at once).",
+    )
     _choice("model.param_dtype", m.param_dtype, MODEL_DTYPES)

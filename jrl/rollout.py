@@ -86,10 +86,10 @@ def generate(
     # tensor axis, as the attention weights do; the decode loop keeps that layout.
     pin = lambda c: sharding.constrain(c, sharding.CACHE_AXES)
     cache = pin(transformer.init_cache(model_cfg, b, s))
-    logits, _, cache = model.apply(
-        {"params": params}, prompt_ids_BP, positions_BP, prefill_mask, cache, 0
-    )
-    cache = pin(cache)
+    # Prefill: keys / values of every prompt token, logits only at the last one.
+    out = model.apply({"params": params}, prompt_ids_BP, positions_BP, prefill_mask, cache, 0)
+    last_logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
+    cache = pin(out.cache)
     first_pos_B = positions_BP[:, -1] + 1
 
     def cond(carry):
@@ -114,14 +114,15 @@ def generate(
         done = done | (token == eos_id)
         key_valid = key_valid.at[:, p + t].set(True)
         step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-        logits, _, cache = model.apply(
+        out = model.apply(
             {"params": params}, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
         )
-        return t + 1, logits[:, -1], pin(cache), done, key_valid, ids, mask, logps
+        logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
+        return t + 1, logits, pin(out.cache), done, key_valid, ids, mask, logps
 
     carry = (
         jnp.int32(0),
-        logits[:, -1],
+        last_logits,
         cache,
         jnp.zeros((b,), bool),
         key_valid_BS,

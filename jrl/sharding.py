@@ -43,6 +43,7 @@ DEFAULT_RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("layers", None),  # the stacked decoder blocks' leading axis
 )
 
 # Logical names of a KV-cache entry [B, S, K, D] (jrl.models.transformer.init_cache).

@@ -22,11 +22,14 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jrl import rollout
+from jax.sharding import PartitionSpec
+
+from jrl import config as config_lib
+from jrl import rollout, sharding
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
-from jrl.algos import losses, masked_mean
+from jrl.algos import losses
 from jrl.models import transformer
 
 Batch = dict[str, jax.Array]
@@ -122,6 +125,35 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
     )
 
 
+def token_log_probs(
+    model_cfg, hidden_BLH, head, targets_BL, temperature: float = 1.0, with_entropy=False
+):
+    """(log softmax(logits / T)[target] [B, L], entropy of softmax(logits / T) [B, L] or None),
+    float32, with logits = `transformer.lm_logits(hidden, head)`. With `logits_chunk_size` c set,
+    the [B, L, V] logits never exist: positions go c at a time through a `lax.map` whose body is
+    rematerialised, so the forward holds one chunk's [B, c, V] logits and the backward recomputes
+    them chunk by chunk (the head's gradient accumulates over chunks)."""
+
+    def chunk(h_BCH, t_BC):
+        logits = transformer.lm_logits(model_cfg, h_BCH, head) / temperature
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), t_BC[..., None], -1)[..., 0]
+        return logp, (losses.entropy_from_logits(logits) if with_entropy else None)
+
+    b, l, _ = hidden_BLH.shape
+    c = model_cfg.logits_chunk_size
+    if not c or c >= l:
+        return chunk(hidden_BLH, targets_BL)
+    pad = -l % c  # the last chunk is padded (its extra positions are dropped)
+    hidden_BLH = jnp.pad(hidden_BLH, ((0, 0), (0, pad), (0, 0)))
+    targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)
+    from_chunks = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :l]
+    out = jax.lax.map(
+        lambda xs: jax.checkpoint(chunk)(*xs), (to_chunks(hidden_BLH), to_chunks(targets_BL))
+    )
+    return tuple(from_chunks(x) for x in out)
+
+
 def response_outputs(
     model_cfg,
     params,
@@ -134,19 +166,20 @@ def response_outputs(
 ) -> dict[str, jax.Array]:
     """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
     `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
-    `entropy` of that distribution (if asked), `values` = V(prompt, y_<t) (with a value head)."""
+    `entropy` of that distribution (if asked), `values` = V(prompt, y_<t) (with a value head).
+    Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`)."""
     p = prompt_ids_BP.shape[1]
     ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
     mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-    logits, values = transformer.apply_full(model_cfg, params, ids, mask)
+    hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
     out = {}
-    if logits is not None:
-        logits_BRV = logits[:, p - 1 : -1] / temperature
-        out["log_prob"] = jnp.take_along_axis(
-            jax.nn.log_softmax(logits_BRV, -1), response_ids_BR[..., None], -1
-        )[..., 0]
+    if head is not None:
+        log_prob, entropy = token_log_probs(
+            model_cfg, hidden[:, p - 1 : -1], head, response_ids_BR, temperature, with_entropy
+        )
+        out["log_prob"] = log_prob
         if with_entropy:
-            out["entropy"] = losses.entropy_from_logits(logits_BRV)
+            out["entropy"] = entropy
     if values is not None:
         out["values"] = values[:, p - 1 : -1]
     return out
@@ -203,6 +236,11 @@ def _select(pred, on_true, on_false):
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def all_finite(metrics: dict) -> jax.Array:
+    """Whether every quantity of GUARDED_METRICS present in `metrics` is finite (bool scalar)."""
+    return jnp.all(jnp.stack([jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics]))
+
+
 # Quantities whose non-finite value makes the NaN guard skip a step (in this order of blame).
 GUARDED_METRICS = (
     "critic/score/mean",
@@ -221,6 +259,71 @@ def prompts_per_step(cfg: ml_collections.ConfigDict) -> int:
     return cfg.data.train_batch_size * (fg.max_num_gen_batches if fg.enable else 1)
 
 
+def micro_batch_counts(cfg: ml_collections.ConfigDict, mesh=None) -> dict[str, int]:
+    """How many micro-batches each forward / backward is split into (verl's sizes, in rows per
+    device): "log_prob" (old / reference log-probs and values of a step's B rows,
+    rollout.log_prob_micro_batch_size_per_device), "actor" and "critic" (a mini-batch's rows,
+    actor / critic.ppo_micro_batch_size_per_device). A size of 0 means one micro-batch. Raises
+    ConfigError, naming the field and the fix, when a size does not divide the rows a device
+    holds (rows over the mesh's batch axes; no mesh: one device)."""
+    n = cfg.rollout.n
+    sizes = {
+        "log_prob": ("rollout.log_prob_micro_batch_size_per_device", cfg.data.train_batch_size * n),
+        "actor": ("actor.ppo_micro_batch_size_per_device", cfg.actor.ppo_mini_batch_size * n),
+        "critic": ("critic.ppo_micro_batch_size_per_device", cfg.actor.ppo_mini_batch_size * n),
+    }
+    counts = {}
+    for name, (field, rows) in sizes.items():
+        size = cfg[field.split(".")[0]][field.split(".")[1]]
+        per_device = rows if mesh is None else sharding.batch_sharding(mesh, rows).shard_shape((rows,))[0]
+        if size < 0 or (size and per_device % size):
+            raise config_lib.ConfigError(
+                f"{field}={size} does not divide the {per_device} rows each device holds "
+                f"({rows} rows over {rows // per_device} device(s)); use a divisor of "
+                f"{per_device}, or 0 for one micro-batch."
+            )
+        counts[name] = per_device // size if size else 1
+    return counts
+
+
+def split_rows(tree, k: int):
+    """[rows, ...] -> [k, rows / k, ...]: micro-batch i holds rows i, i + k, i + 2k, ..., so each
+    is spread over the devices like the whole batch (pinned there under a mesh)."""
+    split = lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+    return sharding.constrain(jax.tree.map(split, tree), PartitionSpec(None, "batch"))
+
+
+def join_rows(tree):
+    """The inverse of `split_rows`."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def in_micro_batches(fn: Callable, rows, k: int):
+    """fn(rows) computed k micro-batches at a time (`lax.map`), results in row order."""
+    if k == 1:
+        return fn(rows)
+    return join_rows(jax.lax.map(fn, split_rows(rows, k)))
+
+
+def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args):
+    """(gradient, metrics) of `loss_fn(params, batch, *args) -> (loss, metrics)` over `batch` in k
+    micro-batches: one forward / backward each (`lax.scan`), gradients summed in float32. The loss
+    and every metric of a micro-batch must be its share of the whole batch's (normalised by the
+    whole batch: `losses.batch_counts`), so the sums equal the whole batch's."""
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+    if k == 1:
+        return grad_fn(params, batch, *args)
+
+    def micro(acc, mb):
+        grads, metrics = grad_fn(params, mb, *args)
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
+
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    grads, metrics = jax.lax.scan(micro, zeros, split_rows(batch, k))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+
+
 def make_phases(
     cfg: ml_collections.ConfigDict,
     model_cfg: transformer.ModelConfig,
@@ -229,6 +332,7 @@ def make_phases(
     eos_id: int,
     pad_id: int,
     max_new_tokens: int,
+    mesh=None,
 ):
     """The three phases of a step as pure functions (the fused step chains them; the benchmark
     also jits them one by one to time each):
@@ -241,9 +345,11 @@ def make_phases(
       update(state, experience, key) -> (state, metrics)
           ppo_epochs x shuffled minibatches (`lax.scan`) of policy and critic updates
 
-    `model_cfg` is the policy's (see `model_configs`).
+    `model_cfg` is the policy's (see `model_configs`); `mesh` (the one the step is jitted over)
+    sets how many rows each device holds, which the micro-batch sizes divide.
     """
     actor, algo, roll_cfg, critic = cfg.actor, cfg.algorithm, cfg.rollout, cfg.critic
+    micro = micro_batch_counts(cfg, mesh)
     n = roll_cfg.n
     b_p = cfg.data.train_batch_size
     _, critic_cfg = model_configs(cfg, model_cfg)
@@ -341,20 +447,26 @@ def make_phases(
             with_entropy,
         )
 
+    def score_forwards(state: TrainState, rows: Batch) -> Batch:
+        """Old (and reference) log-probs and values of some rows."""
+        old = forward(model_cfg, state.params, rows)
+        out = {"old_log_prob": old["log_prob"]}
+        if use_ref:
+            out["ref_log_prob"] = forward(model_cfg, state.ref_params, rows)["log_prob"]
+        if use_critic:
+            out["values"] = (
+                old["values"] if shared else forward(critic_cfg, state.critic_params, rows)["values"]
+            )
+        return out
+
     def score(state: TrainState, exp: Batch):
         mask = exp["response_mask"]
         b = mask.shape[0]
-        old = jax.lax.stop_gradient(forward(model_cfg, state.params, exp))
-        exp = {**exp, "old_log_prob": old["log_prob"]}
-        if use_ref:
-            exp["ref_log_prob"] = jax.lax.stop_gradient(
-                forward(model_cfg, state.ref_params, exp)["log_prob"]
-            )
+        rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
+        scored = in_micro_batches(lambda r: score_forwards(state, r), rows, micro["log_prob"])
+        exp = {**exp, **jax.lax.stop_gradient(scored)}
         if use_critic:
-            values = (
-                old["values"] if shared else forward(critic_cfg, state.critic_params, exp)["values"]
-            )
-            exp["values"] = jax.lax.stop_gradient(values) * mask
+            exp["values"] = exp["values"] * mask
         metrics = {}
         token_level_scores = last_token_scores(exp["scores"], mask)
         token_level_rewards, kl_coef = token_level_scores, state.kl_coef
@@ -393,8 +505,9 @@ def make_phases(
         )
         return exp, metrics, state.replace(kl_coef=kl_coef, group_threshold=adv["next_threshold"])
 
-    def policy_terms(out, mb):
-        """Policy loss (+ KL loss - entropy bonus) of a minibatch from the forward `out`."""
+    def policy_terms(out, mb, counts):
+        """Policy loss (+ KL loss - entropy bonus) of a (micro-)batch from the forward `out`;
+        `counts` normalise by the whole mini-batch (`losses.batch_counts`)."""
         mask = mb["response_mask"]
         pg_loss, metrics = losses.policy_loss(
             actor.policy_loss,
@@ -404,18 +517,23 @@ def make_phases(
             response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode,
             config=actor,
+            counts=counts,
         )
-        entropy = losses.agg_loss(out["entropy"], mask, actor.loss_agg_mode)
+        aggregate = lambda x: losses.agg_loss(
+            x, mask, actor.loss_agg_mode, actor.loss_scale_factor or None, counts
+        )
+        entropy = aggregate(out["entropy"])
         loss = pg_loss - actor.entropy_coeff * entropy
         metrics = {**metrics, "actor/pg_loss": pg_loss, "actor/entropy": entropy}
         if actor.use_kl_loss:
-            kl = kl_lib.kl_penalty(out["log_prob"], mb["ref_log_prob"], actor.kl_loss_type)
-            kl_loss = losses.agg_loss(kl, mask, actor.loss_agg_mode)
+            kl_loss = aggregate(
+                kl_lib.kl_penalty(out["log_prob"], mb["ref_log_prob"], actor.kl_loss_type)
+            )
             loss = loss + actor.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss
         return loss, metrics
 
-    def value_terms(out, mb):
+    def value_terms(out, mb, counts):
         vf_loss, vf_clipfrac = losses.value_loss(
             out["values"],
             mb["returns"],
@@ -423,50 +541,63 @@ def make_phases(
             mb["critic_mask"],
             critic.cliprange_value,
             critic.loss_agg_mode,
+            counts,
         )
         metrics = {
             "critic/vf_loss": vf_loss,
             "critic/vf_clipfrac": vf_clipfrac,
-            "critic/vpred_mean": masked_mean(out["values"], mb["critic_mask"]),
+            "critic/vpred_mean": losses.token_mean(out["values"], mb["critic_mask"], counts),
         }
         return vf_loss, metrics
 
-    def actor_loss(params, mb, actor_on):
+    def actor_loss(params, mb, actor_on, counts):
         """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains."""
         out = forward(model_cfg, params, mb, with_entropy=True)
-        loss, metrics = policy_terms(out, mb)
+        loss, metrics = policy_terms(out, mb, counts["policy"])
         loss = actor_on * loss
         if shared:
-            vf_loss, vf_metrics = value_terms(out, mb)
+            vf_loss, vf_metrics = value_terms(out, mb, counts["value"])
             loss = loss + critic.vf_coef * vf_loss
             metrics.update(vf_metrics)
         return loss, metrics
 
-    def critic_loss(critic_params, mb):
-        return value_terms(forward(critic_cfg, critic_params, mb), mb)
+    def critic_loss(critic_params, mb, counts):
+        return value_terms(forward(critic_cfg, critic_params, mb), mb, counts["value"])
 
     def update_minibatch(carry, mb):
-        state, actor_on = carry
-        grads, metrics = jax.grad(actor_loss, has_aux=True)(state.params, mb, actor_on)
+        """One optimizer update of the policy (and the critic) on a mini-batch. Under the NaN
+        guard (`ok` not None) the update is applied only while everything so far is finite:
+        a select fused into the optimizer's elementwise update, so no second copy of the state."""
+        state, actor_on, ok = carry
+        counts = {"policy": losses.batch_counts(mb["response_mask"])}  # the whole mini-batch's
+        if use_critic:
+            counts["value"] = losses.batch_counts(mb["critic_mask"])
+        grads, metrics = accumulate_grads(
+            actor_loss, state.params, mb, micro["actor"], actor_on, counts
+        )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics["actor/grad_norm"] = optax.tree.norm(grads)
-        state = state.replace(
-            params=optax.apply_updates(state.params, updates), opt_state=opt_state
-        )
+        new = {"params": optax.apply_updates(state.params, updates), "opt_state": opt_state}
         if use_critic and not shared:
-            grads, critic_metrics = jax.grad(critic_loss, has_aux=True)(state.critic_params, mb)
+            grads, critic_metrics = accumulate_grads(
+                critic_loss, state.critic_params, mb, micro["critic"], counts
+            )
             updates, critic_opt = critic_tx.update(
                 grads, state.critic_opt_state, state.critic_params
             )
             critic_metrics["critic/grad_norm"] = optax.tree.norm(grads)
             metrics.update(critic_metrics)
-            state = state.replace(
-                critic_params=optax.apply_updates(state.critic_params, updates),
-                critic_opt_state=critic_opt,
-            )
-        return (state, actor_on), metrics
+            new["critic_params"] = optax.apply_updates(state.critic_params, updates)
+            new["critic_opt_state"] = critic_opt
+        if ok is not None:
+            ok = ok & all_finite(metrics)
+            new = {k: _select(ok, v, getattr(state, k)) for k, v in new.items()}
+        return (state.replace(**new), actor_on, ok), metrics
 
-    def update(state: TrainState, exp: Batch, key):
+    def update(state: TrainState, exp: Batch, key, ok=None):
+        """`actor.ppo_epochs` passes of shuffled mini-batch updates. `ok` (the NaN guard: are
+        the reward and advantages finite?) None: every update is applied; else an update is
+        applied only if `ok` and it and every update before it in this step are finite."""
         keys = [
             "input_ids",
             "attention_mask",
@@ -490,8 +621,8 @@ def make_phases(
             )
             return jax.lax.scan(update_minibatch, carry, mbs)
 
-        (state, _), metrics = jax.lax.scan(
-            epoch, (state, actor_on), jax.random.split(key, actor.ppo_epochs)
+        (state, _, _), metrics = jax.lax.scan(
+            epoch, (state, actor_on, ok), jax.random.split(key, actor.ppo_epochs)
         )
         return state, jax.tree_util.tree_map(jnp.mean, metrics)
 
@@ -506,11 +637,19 @@ def make_step(
     eos_id: int,
     pad_id: int,
     max_new_tokens: int,
+    mesh=None,
 ):
     """Builds `step(state, prompts) -> (state, metrics)`; `prompts` holds `prompts_per_step(cfg)`
-    rows of the task batch. `model_cfg` is the policy's (see `model_configs`)."""
+    rows of the task batch. `model_cfg` is the policy's (see `model_configs`); `mesh` the one the
+    step is jitted over (see `make_phases`)."""
     generate, score, update = make_phases(
-        cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens
+        cfg,
+        model_cfg,
+        reward_fn,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        max_new_tokens=max_new_tokens,
+        mesh=mesh,
     )
     actor_lr, critic_lr = lr_schedule(cfg.actor), lr_schedule(cfg.critic)
 
@@ -519,18 +658,23 @@ def make_step(
         exp, metrics = generate(state, prompts, k_roll)
         exp, score_metrics, scored_state = score(state, exp)
         metrics.update(score_metrics)
-        new_state, update_metrics = update(scored_state, exp, k_shuffle)
-        metrics.update(update_metrics)
         metrics.update(experience_metrics(exp, max_new_tokens))
+        # NaN / Inf guard: no update is applied when the reward or advantages are not finite,
+        # nor from the first mini-batch whose loss or gradient is not finite on (`update`).
+        guard = all_finite(metrics) if cfg.nan_guard.enable else None
+        new_state, update_metrics = update(scored_state, exp, k_shuffle, guard)
+        metrics.update(update_metrics)
         first_update = state.step * updates_per_step(cfg)  # the lr of this step's first update
         metrics["actor/lr"] = actor_lr(first_update)
         if "values" in exp:
             metrics["critic/lr"] = critic_lr(first_update)
-        # NaN / Inf guard: a step whose reward, loss or gradients are not finite is not applied.
         finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
         ok = jnp.all(jnp.stack(list(finite.values())))
-        if cfg.nan_guard.enable:
-            new_state = _select(ok, new_state, state)
+        if cfg.nan_guard.enable:  # a skipped step keeps its KL coefficient and GROUP-PPO tau
+            new_state = new_state.replace(
+                kl_coef=jnp.where(ok, new_state.kl_coef, state.kl_coef),
+                group_threshold=jnp.where(ok, new_state.group_threshold, state.group_threshold),
+            )
         metrics.update({f"training/finite/{k}": v.astype(jnp.int32) for k, v in finite.items()})
         metrics["training/step_skipped"] = (~ok).astype(jnp.int32)
         skipped = state.skipped_steps + (~ok).astype(jnp.int32)

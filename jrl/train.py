@@ -96,9 +96,11 @@ def init_distributed() -> None:
 
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`)."""
-    if cfg.model.hf_path:
+    if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
         hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
-        return dataclasses.replace(hf_cfg, dtype=cfg.model.dtype)
+        return dataclasses.replace(
+            hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}
+        )
     fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
     fields["head_dim"] = fields["head_dim"] or None
     vocab_size = cfg.model.get("vocab_size") or vocab_size  # 0: the tokenizer's size
@@ -211,6 +213,24 @@ def _build(cfg):
     return tok, task, reward_fn, policy_cfg
 
 
+def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
+    """The fused step jitted over `mesh` (state donated) and the abstract train state of
+    `init_state()` with its shardings: (step_fn, abstract_state, state_shardings, batch_sharding).
+    Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
+    abstract = jax.eval_shape(init_state)
+    state_sh = sharding.state_shardings(
+        mesh, abstract, model_cfg, step_lib.model_configs(cfg, model_cfg)[1]
+    )
+    batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
+    step_fn = jax.jit(
+        step_lib.make_step(cfg, model_cfg, reward_fn, **ids, mesh=mesh),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=0,
+    )
+    return step_fn, abstract, state_sh, batch_sh
+
+
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
     """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
     of train problems reaches `warmup.target_accuracy` (checked every `warmup.check_every` steps) or
@@ -283,6 +303,7 @@ def run(cfg, workdir: str) -> dict:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
+    step_lib.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
     check_writable(workdir)
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
     long_prompts = prompt_counts(task)
@@ -299,12 +320,10 @@ def run(cfg, workdir: str) -> dict:
         max_to_keep=cfg.checkpoint.max_to_keep,
         async_save=cfg.checkpoint.async_save,
     )
-    abstract = jax.eval_shape(lambda: init(transformer.init_params(model_cfg, key_init)))
-    state_sh = sharding.state_shardings(
-        mesh, abstract, model_cfg, step_lib.model_configs(cfg, model_cfg)[1]
+    step_fn, abstract, state_sh, batch_sh = jit_step(
+        cfg, model_cfg, reward_fn, ids, mesh, lambda: init(transformer.init_params(model_cfg, key_init))
     )
     batch_size = step_lib.prompts_per_step(cfg)
-    batch_sh = sharding.batch_sharding(mesh, batch_size)
     replicated = NamedSharding(mesh, PartitionSpec())
     my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
     resumed = ckpt.restore_latest(
@@ -336,12 +355,6 @@ def run(cfg, workdir: str) -> dict:
         metric_files.write_text(
             os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)
         )
-    step_fn = jax.jit(
-        step_lib.make_step(cfg, model_cfg, reward_fn, **ids),
-        in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, replicated),
-        donate_argnums=0,
-    )
     eval_fn = jax.jit(
         evaluate_fn, in_shardings=(state_sh.params, replicated), out_shardings=replicated
     )

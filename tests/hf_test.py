@@ -301,17 +301,17 @@ SHARD_SHAPES = {
     (2, 2, 2): {
         ("embed",): (32, 16),
         ("lm_head",): (16, 32),
-        ("layers_0", "attn", "q_proj"): (16, 2, 8),
-        ("layers_0", "attn", "k_proj"): (16, 1, 8),
-        ("layers_1", "mlp", "down_proj"): (16, 16),
+        ("layers", "attn", "q_proj"): (2, 16, 2, 8),  # 2 layers, stacked
+        ("layers", "attn", "k_proj"): (2, 16, 1, 8),
+        ("layers", "mlp", "down_proj"): (2, 16, 16),
         ("final_norm", "scale"): (16,),
     },
     (1, 2, 4): {
         ("embed",): (16, 16),
         ("lm_head",): (16, 16),
-        ("layers_0", "attn", "q_proj"): (16, 1, 8),
-        ("layers_0", "attn", "k_proj"): (16, 2, 8),  # 2 kv heads over tensor=4: replicated
-        ("layers_1", "mlp", "down_proj"): (8, 16),
+        ("layers", "attn", "q_proj"): (2, 16, 1, 8),
+        ("layers", "attn", "k_proj"): (2, 16, 2, 8),  # 2 kv heads over tensor=4: replicated
+        ("layers", "mlp", "down_proj"): (2, 8, 16),
         ("final_norm", "scale"): (16,),
     },
 }
@@ -348,8 +348,8 @@ def test_sharded_load_takes_a_state_params_shardings_tree_and_names_missing_entr
     _, params = hf.load_pretrained(path, shardings={**shardings, "value_head": replicated})
     assert "value_head" not in params  # an entry the checkpoint has no tensor for is ignored
     assert params["embed"].sharding == shardings["embed"]
-    del shardings["layers_1"]["mlp"]
-    with pytest.raises(ValueError, match="shardings has no entry for params: layers_1/mlp/"):
+    del shardings["layers"]["mlp"]
+    with pytest.raises(ValueError, match="shardings has no entry for params: layers/mlp/"):
         hf.load_pretrained(path, shardings=shardings)
 
 

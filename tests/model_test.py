@@ -92,15 +92,17 @@ def _decode(cfg, params, prompt, pmask, cont):
     cache = tfm.init_cache(cfg, b, s)
     mask = key_valid[:, None, :] & (slots[None, None, :] <= np.arange(p)[None, :, None])
     pos = tfm.positions_from_mask(jnp.asarray(pmask))
-    logits, _, cache = apply({"params": params}, prompt, pos, mask, cache, 0)
-    step_logits = [logits[:, -1]]
+    out = apply({"params": params}, prompt, pos, mask, cache, 0)
+    cache = out.cache
+    step_logits = [tfm.lm_logits(cfg, out.hidden[:, -1], out.head)]
     for t in range(r - 1):
         key_valid[:, p + t] = True
         mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-        logits, _, cache = apply(
+        out = apply(
             {"params": params}, cont[:, t : t + 1], pos[:, -1:] + 1 + t, mask, cache, p + t
         )
-        step_logits.append(logits[:, -1])
+        cache = out.cache
+        step_logits.append(tfm.lm_logits(cfg, out.hidden[:, -1], out.head))
     return np.stack(step_logits, 1)
 
 
@@ -157,9 +159,9 @@ def test_sliding_window_sees_the_last_window_tokens_only():
 
 def test_default_config_keeps_its_parameter_names(params):
     """The family options add parameters only when switched on."""
-    assert set(params["layers_0"]) == {"attn", "input_norm", "mlp", "post_attn_norm"}
+    assert set(params["layers"]) == {"attn", "input_norm", "mlp", "post_attn_norm"}
     gemma = jax.eval_shape(lambda k: tfm.init_params(GEMMA_CFG, k), jax.random.key(0))
-    assert set(gemma["layers_0"]) == {
+    assert set(gemma["layers"]) == {
         "attn",
         "attn_out_norm",
         "input_norm",
@@ -167,19 +169,18 @@ def test_default_config_keeps_its_parameter_names(params):
         "mlp_out_norm",
         "post_attn_norm",
     }
-    assert gemma["layers_0"]["attn"]["q_norm"]["scale"].shape == (16,)
+    assert gemma["layers"]["attn"]["q_norm"]["scale"].shape == (2, 16)  # stacked over layers
 
 
 def test_gqa_with_one_kv_head_per_query_head_matches_repeated_kv(params):
     """GQA against a reference: K shared across groups equals MHA with the kv heads repeated."""
     cfg_mha = tfm.ModelConfig(**{**CFG.__dict__, "num_kv_heads": 4})
     p = jax.tree_util.tree_map(lambda x: x, params)
-    for i in range(CFG.num_layers):
-        attn = dict(p[f"layers_{i}"]["attn"])
-        for name in ("k_proj", "v_proj"):
-            attn[name] = jnp.repeat(attn[name], 2, axis=1)
-            attn[name + "_bias"] = jnp.repeat(attn[name + "_bias"], 2, axis=0)
-        p[f"layers_{i}"] = {**p[f"layers_{i}"], "attn": attn}
+    attn = dict(p["layers"]["attn"])  # every layer's at once: [L, H, K, D], biases [L, K, D]
+    for name in ("k_proj", "v_proj"):
+        attn[name] = jnp.repeat(attn[name], 2, axis=2)
+        attn[name + "_bias"] = jnp.repeat(attn[name + "_bias"], 2, axis=1)
+    p["layers"] = {**p["layers"], "attn": attn}
     ids = jnp.array([[3, 4, 5, 6, 7]])
     a = tfm.forward(CFG, params, ids)
     b = tfm.forward(cfg_mha, p, ids)
@@ -214,10 +215,11 @@ def test_every_parameter_has_logical_axes(cfg):
     for spec, shape in zip(flat_axes, flat_shapes):
         assert len(spec) == len(shape.shape)
     assert axes["embed"] == jax.sharding.PartitionSpec("vocab", "embed")
-    assert axes["layers_0"]["mlp"]["gate_proj"] == jax.sharding.PartitionSpec("embed", "mlp")
+    P = jax.sharding.PartitionSpec
+    assert axes["layers"]["mlp"]["gate_proj"] == P("layers", "embed", "mlp")
     if cfg.qk_norm:
-        assert axes["layers_0"]["attn"]["k_norm"]["scale"] == jax.sharding.PartitionSpec("head_dim")
-        assert axes["layers_1"]["mlp_out_norm"]["scale"] == jax.sharding.PartitionSpec("embed")
+        assert axes["layers"]["attn"]["k_norm"]["scale"] == P("layers", "head_dim")
+        assert axes["layers"]["mlp_out_norm"]["scale"] == P("layers", "embed")
 
 
 def test_bad_head_counts_raise():

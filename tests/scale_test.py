@@ -136,7 +136,7 @@ def meshes(tmp_path_factory):
     save = checkpoint_lib.Checkpointer.save
 
     def spy(self, step, state, extra=None, **kw):
-        layer = state.params["layers_0"]
+        layer = state.params["layers"]
         shards[self.directory] = {
             name: {tuple(s.data.shape) for s in x.addressable_shards}
             for name, x in [
@@ -161,12 +161,12 @@ def meshes(tmp_path_factory):
     return out
 
 
-# Shard shapes (hidden 32, MLP 64, vocab 88, 4 heads of 8): embed [88, 32] is (tensor, fsdp),
-# gate [32, 64] (fsdp, tensor), q [32, 4, 8] (fsdp, tensor, -).
+# Shard shapes (hidden 32, MLP 64, vocab 88, 4 heads of 8, 1 layer): embed [88, 32] is
+# (tensor, fsdp), gate [1, 32, 64] (-, fsdp, tensor), q [1, 32, 4, 8] (-, fsdp, tensor, -).
 EXPECTED_SHARDS = {
-    (8, 1, 1): {"embed": (88, 32), "gate": (32, 64), "q": (32, 4, 8)},
-    (2, 2, 2): {"embed": (44, 16), "gate": (16, 32), "q": (16, 2, 8)},
-    (1, 2, 4): {"embed": (22, 16), "gate": (16, 16), "q": (16, 1, 8)},
+    (8, 1, 1): {"embed": (88, 32), "gate": (1, 32, 64), "q": (1, 32, 4, 8)},
+    (2, 2, 2): {"embed": (44, 16), "gate": (1, 16, 32), "q": (1, 16, 2, 8)},
+    (1, 2, 4): {"embed": (22, 16), "gate": (1, 16, 16), "q": (1, 16, 1, 8)},
 }
 
 

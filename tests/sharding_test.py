@@ -51,26 +51,27 @@ def test_logical_to_mesh_rules():
     # A mesh axis serves one dimension per array: the later one is replicated.
     rules = (("embed", "fsdp"), ("mlp", "fsdp"))
     assert sharding.logical_to_mesh(P("embed", "mlp"), rules) == P("fsdp", None)
-    with pytest.raises(ValueError, match="logical axis 'layers' has no sharding rule"):
-        sharding.logical_to_mesh(P("layers", "embed"))
+    assert sharding.logical_to_mesh(P("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
+    with pytest.raises(ValueError, match="logical axis 'experts' has no sharding rule"):
+        sharding.logical_to_mesh(P("experts", "embed"))
 
 
 @pytest.mark.parametrize(
     "shape, expected",
     [
-        # embed [V=32, H=16] -> (tensor, fsdp); gate [H, F=32] -> (fsdp, tensor);
-        # q_proj [H, N=4, D=4] -> (fsdp, tensor, -); k_proj [H, K=2, D] -> (fsdp, tensor, -)
-        ((2, 2, 2), {"embed": (16, 8), "gate": (8, 16), "q": (8, 2, 4), "k": (8, 1, 4)}),
+        # embed [V=32, H=16] -> (tensor, fsdp); gate [L=1, H, F=32] -> (-, fsdp, tensor);
+        # q_proj [L, H, N=4, D=4] -> (-, fsdp, tensor, -); k_proj [L, H, K=2, D] likewise
+        ((2, 2, 2), {"embed": (16, 8), "gate": (1, 8, 16), "q": (1, 8, 2, 4), "k": (1, 8, 1, 4)}),
         # tensor=4 does not divide K=2: k_proj keeps its kv heads whole (replicated dim)
-        ((1, 2, 4), {"embed": (8, 8), "gate": (8, 8), "q": (8, 1, 4), "k": (8, 2, 4)}),
-        ((8, 1, 1), {"embed": (32, 16), "gate": (16, 32), "q": (16, 4, 4), "k": (16, 2, 4)}),
+        ((1, 2, 4), {"embed": (8, 8), "gate": (1, 8, 8), "q": (1, 8, 1, 4), "k": (1, 8, 2, 4)}),
+        ((8, 1, 1), {"embed": (32, 16), "gate": (1, 16, 32), "q": (1, 16, 4, 4), "k": (1, 16, 2, 4)}),
     ],
 )
 def test_params_really_split(params, shape, expected):
     mesh = sharding.make_mesh(shape=shape)
     shardings = sharding.param_shardings(mesh, params, transformer.logical_axes(CFG))
     placed = jax.device_put(params, shardings)
-    layer = placed["layers_0"]
+    layer = placed["layers"]
     got = {
         "embed": placed["embed"],
         "gate": layer["mlp"]["gate_proj"],
@@ -94,8 +95,8 @@ def test_non_divisible_dims_fall_back_to_replicated():
     abstract = jax.eval_shape(lambda k: transformer.init_params(odd, k), jax.random.key(0))
     sh = sharding.param_shardings(mesh, abstract, transformer.logical_axes(odd))
     assert sh["embed"].spec == P(None, "fsdp")  # 30 % 4 != 0: vocab replicated
-    assert sh["layers_0"]["attn"]["q_proj"].spec == P("fsdp", None, None)  # 2 heads over 4
-    assert sh["layers_0"]["mlp"]["gate_proj"].spec == P("fsdp", "tensor")  # 12 % 4 == 0
+    assert sh["layers"]["attn"]["q_proj"].spec == P(None, "fsdp", None, None)  # 2 heads over 4
+    assert sh["layers"]["mlp"]["gate_proj"].spec == P(None, "fsdp", "tensor")  # 12 % 4 == 0
     placed = jax.device_put(jnp.zeros((30, 12)), sh["embed"])
     assert shard_shapes(placed) == {(30, 6)}
     # Batch rows keep the longest prefix of (data, fsdp) that divides them.
@@ -140,17 +141,17 @@ def test_state_shardings_mirror_params_in_optimizer_states():
     abstract = jax.eval_shape(init)
     mesh = sharding.make_mesh(shape=(2, 2, 2))
     sh = sharding.state_shardings(mesh, abstract, policy_cfg, critic_cfg)
-    gate = P("fsdp", "tensor")
+    gate = P(None, "fsdp", "tensor")  # [layers, embed, mlp]
     adam = sh.opt_state[1][0]  # chain(clip_by_global_norm, adamw): ScaleByAdamState
-    assert sh.params["layers_0"]["mlp"]["gate_proj"].spec == gate
-    assert adam.mu["layers_0"]["mlp"]["gate_proj"].spec == gate
+    assert sh.params["layers"]["mlp"]["gate_proj"].spec == gate
+    assert adam.mu["layers"]["mlp"]["gate_proj"].spec == gate
     assert adam.nu["embed"].spec == P("tensor", "fsdp")
     assert adam.count.spec == P()
     assert sh.ref_params["embed"].spec == P("tensor", "fsdp")
     assert sh.critic_params["value_head"].spec == P("fsdp", None)
     assert sh.critic_opt_state[1][0].mu["value_head"].spec == P("fsdp", None)
-    assert sh.critic_opt_state[1][0].mu["layers_0"]["attn"]["o_proj"].spec == P(
-        "tensor", None, "fsdp"
+    assert sh.critic_opt_state[1][0].mu["layers"]["attn"]["o_proj"].spec == P(
+        None, "tensor", None, "fsdp"
     )
     model_parts = ("params", "opt_state", "critic_params", "critic_opt_state", "ref_params")
     rest = sh.replace(**dict.fromkeys(model_parts))  # step, kl_coef, key, ...: replicated
@@ -199,8 +200,8 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
                 state, metrics = sharded_step(state, batch)
         sharded_metrics.append(jax.device_get(metrics))
     assert (
-        state.params["layers_0"]["mlp"]["up_proj"].sharding
-        == state_sh.params["layers_0"]["mlp"]["up_proj"]
+        state.params["layers"]["mlp"]["up_proj"].sharding
+        == state_sh.params["layers"]["mlp"]["up_proj"]
     )
 
     # float32 tolerances: metrics rtol 1e-5 / atol 1e-6 and params atol 1e-6 (observed: relative

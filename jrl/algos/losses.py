@@ -9,6 +9,13 @@ prompt, y_1..y_t), `advantages[:, t]` belongs to that action. Write
 `policy_loss` zeroes every input where m == 0 before the loss sees it, so garbage on padding never
 reaches the loss, the metrics, or the gradient (d loss / d log_prob is exactly 0 there).
 
+Micro-batches (verl 0.9.1's global batch info): `counts` = `batch_counts(mask of the whole
+mini-batch)` makes every aggregate and every metric of a micro-batch its share of the mini-batch's
+value (normalised by the mini-batch's token / sequence / row counts), so summing micro-batches
+gives exactly the loss, gradient and metrics of the whole mini-batch. Without `counts` the
+(micro-)batch is its own whole. Exceptions, as in verl: clip_cov's and kl_cov's token statistics
+(covariance means, how many tokens to pick) are those of each micro-batch.
+
 Every policy loss returns the same metric keys (verl's names), 0 where a loss has no such quantity:
   actor/pg_clipfrac        fraction of valid tokens whose loss was clipped (loss-specific, below)
   actor/ppo_kl             masked_mean(old_log_prob - log_prob)  (kl_cov: masked_mean(|log_ratio|))
@@ -29,7 +36,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import lookup, masked_mean, masked_sum, positive_field, registrar, zero_masked
+from jrl.algos import EPS_MEAN, lookup, masked_mean, masked_sum, positive_field, registrar, zero_masked
 
 METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 LOG_RATIO_CLAMP = 20.0  # |log_ratio| bound before exp in vanilla / sapo / cispo
@@ -38,35 +45,48 @@ GSPO_LOG_RATIO_MAX = 10.0  # upper bound on GSPO's token log-ratio
 # ----------------------------------------------------------------------------- aggregation
 
 
-def _mean_over_rows_with_tokens(row_losses, loss_mask):
-    """Mean of row_losses [B] over the rows that have at least one valid token (0 if none)."""
+def batch_counts(loss_mask) -> dict[str, jax.Array]:
+    """The normalisers of a (mini-)batch's mask [B, T]: valid `tokens`, `seqs` (rows with at least
+    one valid token) and `rows` (B), float32 scalars."""
+    loss_mask = jnp.asarray(loss_mask, jnp.float32)
+    return {
+        "tokens": jnp.sum(loss_mask),
+        "seqs": jnp.sum(jnp.sum(loss_mask, axis=-1) > 0).astype(jnp.float32),
+        "rows": jnp.float32(loss_mask.shape[0]),
+    }
+
+
+def _mean_over_rows_with_tokens(row_losses, loss_mask, counts):
+    """Sum of row_losses [B] over the rows with a valid token / counts' `seqs` (0 if none)."""
     has_tokens = jnp.sum(loss_mask, axis=-1) > 0
-    return jnp.sum(jnp.where(has_tokens, row_losses, 0.0)) / jnp.maximum(jnp.sum(has_tokens), 1)
+    return jnp.sum(jnp.where(has_tokens, row_losses, 0.0)) / jnp.maximum(counts["seqs"], 1)
 
 
-def _token_mean(loss_mat, loss_mask, loss_scale_factor):
+def _token_mean(loss_mat, loss_mask, loss_scale_factor, counts):
     """sum(l * m) / sum(m) over the whole (mini)batch; 0 for an empty mask (verl: NaN)."""
     del loss_scale_factor
-    n_tokens = jnp.sum(loss_mask)
+    n_tokens = counts["tokens"]
     return masked_sum(loss_mat, loss_mask) / jnp.where(n_tokens > 0, n_tokens, 1.0)
 
 
-def _seq_mean_token_sum(loss_mat, loss_mask, loss_scale_factor):
+def _seq_mean_token_sum(loss_mat, loss_mask, loss_scale_factor, counts):
     """Mean over rows with a valid token of sum_t(l * m)."""
     del loss_scale_factor
-    return _mean_over_rows_with_tokens(masked_sum(loss_mat, loss_mask, axis=-1), loss_mask)
+    row_sums = masked_sum(loss_mat, loss_mask, axis=-1)
+    return _mean_over_rows_with_tokens(row_sums, loss_mask, counts)
 
 
-def _seq_mean_token_mean(loss_mat, loss_mask, loss_scale_factor):
+def _seq_mean_token_mean(loss_mat, loss_mask, loss_scale_factor, counts):
     """Mean over rows with a valid token of sum_t(l * m) / (sum_t(m) + 1e-8)."""
     del loss_scale_factor
     row_means = masked_sum(loss_mat, loss_mask, axis=-1) / (jnp.sum(loss_mask, axis=-1) + 1e-8)
-    return _mean_over_rows_with_tokens(row_means, loss_mask)
+    return _mean_over_rows_with_tokens(row_means, loss_mask, counts)
 
 
-def _seq_mean_token_sum_norm(loss_mat, loss_mask, loss_scale_factor):
+def _seq_mean_token_sum_norm(loss_mat, loss_mask, loss_scale_factor, counts):
     """sum over all rows of sum_t(l * m), divided by loss_scale_factor (None -> T, the padded
     response length). Keep the factor constant through a run (Dr.GRPO's constant normaliser)."""
+    del counts
     scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
     return masked_sum(loss_mat, loss_mask) / scale
 
@@ -84,13 +104,29 @@ def loss_agg_modes() -> list[str]:
     return sorted(AGG_MODES)
 
 
-def agg_loss(loss_mat, loss_mask, loss_agg_mode: str, loss_scale_factor: Optional[float] = None):
+def agg_loss(
+    loss_mat,
+    loss_mask,
+    loss_agg_mode: str,
+    loss_scale_factor: Optional[float] = None,
+    counts: Optional[dict] = None,
+):
     """Aggregates a per-token loss [B, T] into a scalar; `loss_agg_mode` is static:
     token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (see above).
-    Entries where loss_mask == 0 never contribute, whatever their value."""
+    Entries where loss_mask == 0 never contribute, whatever their value. `counts`
+    (`batch_counts` of the whole mini-batch) normalise a micro-batch's share; None: this batch's."""
     aggregate = lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
     chex.assert_equal_shape([loss_mat, loss_mask])
-    return aggregate(loss_mat, jnp.asarray(loss_mask, jnp.float32), loss_scale_factor)
+    loss_mask = jnp.asarray(loss_mask, jnp.float32)
+    counts = batch_counts(loss_mask) if counts is None else counts
+    return aggregate(loss_mat, loss_mask, loss_scale_factor, counts)
+
+
+def token_mean(x, mask, counts: Optional[dict] = None):
+    """masked_mean(x, mask) = sum(x * m) / (sum(m) + 1e-8), with the token count of `counts` (the
+    whole mini-batch's) when given: a micro-batch's share of the mini-batch's mean."""
+    n_tokens = jnp.sum(mask) if counts is None else counts["tokens"]
+    return masked_sum(x, mask) / (n_tokens + EPS_MEAN)
 
 
 # ----------------------------------------------------------------------------- policy losses
@@ -100,8 +136,10 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
 # `@register_policy_loss("name")` on `fn(*, old_log_prob, log_prob, advantages, response_mask,
-# aggregate, config, key) -> (loss, metrics)`: `aggregate(loss_mat)` applies the caller's
-# loss_agg_mode; metrics may omit keys of METRIC_KEYS (they are reported as 0).
+# aggregate, mean, counts, config, key) -> (loss, metrics)`: `aggregate(loss_mat)` applies the
+# caller's loss_agg_mode (`aggregate(loss_mat, mode=...)` another mode), `mean(x)` is the masked
+# token mean for metrics, `counts` the mini-batch's `batch_counts`; all three normalise by the
+# whole mini-batch (module doc). Metrics may omit keys of METRIC_KEYS (they are reported as 0).
 register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
@@ -120,11 +158,13 @@ def policy_loss(
     loss_agg_mode: str,
     config,
     key: Optional[jax.Array] = None,
+    counts: Optional[dict] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(scalar loss, metrics) of the policy loss registered as `name` (static under jit).
 
     `config` is the actor section. `key` is only used by `clip_cov` (random choice of the tokens
-    to detach, as verl); without it `clip_cov` is deterministic (see its docstring).
+    to detach, as verl); without it `clip_cov` is deterministic (see its docstring). `counts`:
+    `batch_counts` of the whole mini-batch when this is one of its micro-batches (module doc).
     """
     loss_fn = lookup(POLICY_LOSSES, name, "policy loss")
     lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
@@ -134,18 +174,20 @@ def policy_loss(
     old_log_prob, log_prob, advantages = (
         zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (old_log_prob, log_prob, advantages)
     )
-    aggregate = functools.partial(
-        agg_loss,
-        loss_mask=mask,
-        loss_agg_mode=loss_agg_mode,
-        loss_scale_factor=config.get("loss_scale_factor", None) or None,  # 0 / None: T
-    )
+    counts = batch_counts(mask) if counts is None else counts
+    scale_factor = config.get("loss_scale_factor", None) or None  # 0 / None: T
+
+    def aggregate(loss_mat, mode=loss_agg_mode):
+        return agg_loss(loss_mat, mask, mode, scale_factor, counts)
+
     loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,
         response_mask=mask,
         aggregate=aggregate,
+        mean=functools.partial(token_mean, mask=mask, counts=counts),
+        counts=counts,
         config=config,
         key=key,
     )
@@ -169,13 +211,13 @@ def _ppo_clip_terms(advantages, ratio, config):
     return -advantages * ratio, -advantages * jnp.clip(ratio, 1.0 - low, 1.0 + high)
 
 
-def _ppo_kl(log_ratio, mask):
-    """masked_mean(old_log_prob - log_prob): the sample KL(old || new) estimate verl logs."""
-    return masked_mean(-log_ratio, mask)
+def _ppo_kl(log_ratio, mean):
+    """mean(old_log_prob - log_prob) over valid tokens: the sample KL(old || new) verl logs."""
+    return mean(-log_ratio)
 
 
 @register_policy_loss("vanilla")
-def vanilla(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+def vanilla(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (DAPO,
     arXiv:2503.14476) and dual clip (Ye et al. 2019, arXiv:1912.09729).
 
@@ -194,17 +236,15 @@ def vanilla(*, old_log_prob, log_prob, advantages, response_mask, aggregate, con
     l3 = -advantages * clip_ratio_c
     losses = jnp.where(advantages < 0, jnp.minimum(l3, clipped), clipped)
     metrics = {
-        "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), response_mask),
-        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(
-            ((clipped > l3) & (advantages < 0)).astype(jnp.float32), response_mask
-        ),
+        "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac_lower": mean(((clipped > l3) & (advantages < 0)).astype(jnp.float32)),
     }
     return aggregate(losses), metrics
 
 
 @register_policy_loss("gspo")
-def gspo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, **_):
     """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
 
         s_b = sum_t(log_ratio * m) / max(|y_b|, 1)          (sequence log-ratio, length-normalised)
@@ -222,16 +262,16 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
     )
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
     l1, l2 = _ppo_clip_terms(advantages, ratio, config)
-    loss = agg_loss(jnp.maximum(l1, l2), response_mask, "seq-mean-token-mean")
+    loss = aggregate(jnp.maximum(l1, l2), mode="seq-mean-token-mean")
     metrics = {
-        "actor/pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), response_mask),
-        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+        "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
     }
     return loss, metrics
 
 
 @register_policy_loss("geo_mean")
-def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, mean, counts, config, **_):
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
 
     Token log-ratios are clipped one-sidedly by the sign of A, then averaged per sequence:
@@ -249,22 +289,18 @@ def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
     lengths = jnp.sum(response_mask, axis=-1) + 1e-8
     seq_ratio = jnp.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
     seq_adv = masked_sum(advantages, response_mask, axis=-1) / lengths
-    loss = jnp.mean(-seq_adv * seq_ratio)
+    loss = jnp.sum(-seq_adv * seq_ratio) / counts["rows"]  # the mean over the mini-batch's rows
     was_clipped = log_ratio != clamped
     metrics = {
-        "actor/pg_clipfrac": masked_mean(
-            (was_clipped & (advantages > 0)).astype(jnp.float32), response_mask
-        ),
-        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
-        "actor/pg_clipfrac_lower": masked_mean(
-            (was_clipped & (advantages < 0)).astype(jnp.float32), response_mask
-        ),
+        "actor/pg_clipfrac": mean((was_clipped & (advantages > 0)).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac_lower": mean((was_clipped & (advantages < 0)).astype(jnp.float32)),
     }
     return loss, metrics
 
 
 @register_policy_loss("sapo")
-def sapo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
+def sapo(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
     """SAPO, soft adaptive policy optimisation (arXiv:2511.20347): a smooth sigmoid gate instead of
     a hard clip.
 
@@ -276,12 +312,12 @@ def sapo(*, old_log_prob, log_prob, advantages, response_mask, config, **_):
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     tau = jnp.where(advantages > 0, config.get("tau_pos", 1.0), config.get("tau_neg", 1.05))
     gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * (4.0 / tau)
-    loss = agg_loss(-gate * advantages, response_mask, "seq-mean-token-mean")
-    return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, response_mask)}
+    loss = aggregate(-gate * advantages, mode="seq-mean-token-mean")
+    return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
 
 
 @register_policy_loss("cispo")
-def cispo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+def cispo(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
     """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585).
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(clip(ratio, 1 - eps_low, 1 + eps_high))
@@ -295,19 +331,19 @@ def cispo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, confi
     weight = jnp.clip(ratio, 1.0 - low, 1.0 + high)
     losses = -jax.lax.stop_gradient(weight) * advantages * log_prob
     metrics = {
-        "actor/pg_clipfrac": masked_mean((ratio != weight).astype(jnp.float32), response_mask),
-        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+        "actor/pg_clipfrac": mean((ratio != weight).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
     }
     return aggregate(losses), metrics
 
 
 @register_policy_loss("gpg")
-def gpg(*, old_log_prob, log_prob, advantages, response_mask, aggregate, **_):
+def gpg(*, old_log_prob, log_prob, advantages, aggregate, mean, **_):
     """GPG, group policy gradient (Chu et al. 2025, arXiv:2504.02546): plain REINFORCE,
     loss_t = -log_prob_t A_t, aggregated with loss_agg_mode. No clipping (clip fractions 0).
     verl reports no metrics here; jrl still reports actor/ppo_kl (it is well defined)."""
     return aggregate(-log_prob * advantages), {
-        "actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, response_mask)
+        "actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, mean)
     }
 
 
@@ -327,7 +363,9 @@ def _covariance(advantages, log_prob, mask, mean):
 
 
 @register_policy_loss("clip_cov")
-def clip_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, key, **_):
+def clip_cov(
+    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, key, **_
+):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617).
 
         l1, l2 as in PPO with ratio = exp(log_ratio) (no clamp); loss_t = max(l1, l2) * corr_t
@@ -357,14 +395,14 @@ def clip_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, co
     detached = candidate & _top_ranked(jnp.where(candidate, priority, -jnp.inf), n_clip)
     losses = jnp.where(detached, 0.0, jnp.maximum(l1, l2))
     metrics = {
-        "actor/pg_clipfrac": masked_mean(detached.astype(jnp.float32), response_mask),
-        "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
+        "actor/pg_clipfrac": mean(detached.astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
     }
     return aggregate(losses), metrics
 
 
 @register_policy_loss("kl_cov")
-def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, config, **_):
+def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, **_):
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
 
         ratio = exp(log_ratio) (no clamp);  loss_t = -A_t ratio_t, except on the k valid tokens of
@@ -389,18 +427,21 @@ def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, conf
     k = jnp.maximum(jnp.floor(ratio_of_tokens * n_valid), 1.0)
     penalised = valid & _top_ranked(jnp.where(valid, cov, -jnp.inf), k)
     losses = jnp.where(penalised, l1 + config.get("ppo_kl_coef", 0.1) * abs_kl, l1)
-    return aggregate(losses), {"actor/ppo_kl": masked_mean(abs_kl, response_mask)}
+    return aggregate(losses), {"actor/ppo_kl": mean(abs_kl)}
 
 
 # ----------------------------------------------------------------------------- value, entropy
 
 
-def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+def value_loss(
+    vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, counts=None
+):
     """Clipped value loss (PPO critic). All [B, T]; position t is V(s_{t+1}) of action t.
 
         v_clip = clip(vpreds, values - c, values + c),  c = cliprange_value
         loss = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2)),  R = returns
-    Returns (loss, vf_clipfrac = mean_m((v_clip - R)^2 > (vpreds - R)^2)).
+    Returns (loss, vf_clipfrac = mean_m((v_clip - R)^2 > (vpreds - R)^2)); with `counts` (of the
+    whole mini-batch) both are a micro-batch's share.
     """
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_equal_shape([vpreds, returns, values, mask])
@@ -410,8 +451,8 @@ def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg
     vpreds_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = jnp.square(vpreds - returns)
     clipped = jnp.square(vpreds_clipped - returns)
-    loss = 0.5 * agg_loss(jnp.maximum(unclipped, clipped), mask, loss_agg_mode)
-    return loss, masked_mean((clipped > unclipped).astype(jnp.float32), mask)
+    loss = 0.5 * agg_loss(jnp.maximum(unclipped, clipped), mask, loss_agg_mode, None, counts)
+    return loss, token_mean((clipped > unclipped).astype(jnp.float32), mask, counts)
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:

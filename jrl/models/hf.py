@@ -275,11 +275,11 @@ def infer_model_type(cfg: tfm.ModelConfig) -> str:
 _NOT_ARCHITECTURE = (
     "lm_head",
     "value_head",
-    "dtype",
     "param_dtype",
     "init_std",
     "hf_model_type",
     "max_position_embeddings",
+    *tfm.COMPUTE_FIELDS,
 )
 _ROPE_SCALING_FIELDS = (
     "rope_scaling_factor",
@@ -354,7 +354,9 @@ _LAYOUTS: dict[str, tuple[Callable, Callable]] = {
 
 
 def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
-    """jrl parameter path -> (HF tensor name, layout) for every parameter but the value head."""
+    """jrl parameter path -> (HF tensor name, layout) for every parameter but the value head.
+    Paths under "layers" are the decoder blocks' parameters, stacked over layers (leading axis):
+    their HF name has a "{i}" for the layer (`model.layers.{i}.mlp.up_proj.weight`)."""
     table = {
         ("embed",): ("model.embed_tokens.weight", "copy"),
         ("final_norm", "scale"): ("model.norm.weight", "copy"),
@@ -370,24 +372,29 @@ def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]
             "post_attn_norm": "pre_feedforward_layernorm",
             "mlp_out_norm": "post_feedforward_layernorm",
         }
-    for i in range(cfg.num_layers):
-        jrl, hf = f"layers_{i}", f"model.layers.{i}."
-        for p in ("q", "k", "v"):
-            table[(jrl, "attn", f"{p}_proj")] = (hf + f"self_attn.{p}_proj.weight", "heads_in")
-            if cfg.qkv_bias:
-                table[(jrl, "attn", f"{p}_proj_bias")] = (hf + f"self_attn.{p}_proj.bias", "flat")
-        table[(jrl, "attn", "o_proj")] = (hf + "self_attn.o_proj.weight", "heads_out")
-        if cfg.qk_norm:
-            for p in ("q", "k"):
-                table[(jrl, "attn", f"{p}_norm", "scale")] = (
-                    hf + f"self_attn.{p}_norm.weight",
-                    "copy",
-                )
-        for p in ("gate", "up", "down"):
-            table[(jrl, "mlp", f"{p}_proj")] = (hf + f"mlp.{p}_proj.weight", "transpose")
-        for name, hf_name in norms.items():
-            table[(jrl, name, "scale")] = (hf + hf_name + ".weight", "copy")
+    jrl, hf = "layers", "model.layers.{i}."
+    for p in ("q", "k", "v"):
+        table[(jrl, "attn", f"{p}_proj")] = (hf + f"self_attn.{p}_proj.weight", "heads_in")
+        if cfg.qkv_bias:
+            table[(jrl, "attn", f"{p}_proj_bias")] = (hf + f"self_attn.{p}_proj.bias", "flat")
+    table[(jrl, "attn", "o_proj")] = (hf + "self_attn.o_proj.weight", "heads_out")
+    if cfg.qk_norm:
+        for p in ("q", "k"):
+            table[(jrl, "attn", f"{p}_norm", "scale")] = (hf + f"self_attn.{p}_norm.weight", "copy")
+    for p in ("gate", "up", "down"):
+        table[(jrl, "mlp", f"{p}_proj")] = (hf + f"mlp.{p}_proj.weight", "transpose")
+    for name, hf_name in norms.items():
+        table[(jrl, name, "scale")] = (hf + hf_name + ".weight", "copy")
     return table
+
+
+def hf_tensors(cfg: tfm.ModelConfig, key: tuple[str, ...], shape) -> list[tuple[str, str, tuple]]:
+    """[(HF name, layout, jrl shape of that tensor)] making up the parameter at `key` of `shape`:
+    one tensor, or one per layer (in order) for a stacked block parameter."""
+    hf, layout = weight_names(cfg)[key]
+    if key[0] != "layers":
+        return [(hf, layout, tuple(shape))]
+    return [(hf.format(i=i), layout, tuple(shape[1:])) for i in range(cfg.num_layers)]
 
 
 def _hf_shape(layout: str, shape) -> tuple[int, ...]:
@@ -489,37 +496,65 @@ def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.M
     path = os.fspath(path)
     cfg = load_config(path, dtype)
     files = _weight_files(path)
-    table = weight_names(cfg)
-    missing = [hf for hf, _ in table.values() if hf not in files]
+    shapes = traverse_util.flatten_dict(abstract_params(cfg))
+    tensors = {key: hf_tensors(cfg, key, shape.shape) for key, shape in shapes.items()}
+    names = [hf for parts in tensors.values() for hf, _, _ in parts]
+    missing = [hf for hf in names if hf not in files]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors: {', '.join(missing[:8])}.")
-    known = {hf for hf, _ in table.values()} | {"lm_head.weight"}
+    known = set(names) | {"lm_head.weight"}
     unexpected = [n for n in files if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         raise ValueError(
             f"checkpoint {path!r} has tensors jrl's {cfg.hf_model_type} decoder does not use: "
             f"{', '.join(sorted(unexpected)[:8])}."
         )
-    shapes = traverse_util.flatten_dict(abstract_params(cfg))
     placements = _flat_shardings(shardings, shapes)
     flat = {}
     with contextlib.ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="np"))
-            for file in sorted({files[hf] for hf, _ in table.values()})
+            for file in sorted({files[hf] for hf in names})
         }
-        for key, shape in shapes.items():
-            hf, layout = table[key]
+        for hf, layout, shape in (t for parts in tensors.values() for t in parts):
             stored = tuple(handles[files[hf]].get_slice(hf).get_shape())
-            want = _hf_shape(layout, shape.shape)
+            want = _hf_shape(layout, shape)
             if stored != want:
                 raise ValueError(f"tensor {hf} has shape {stored}, config.json implies {want}.")
-        for key, shape in shapes.items():
-            hf, layout = table[key]
-            value = _host_tensor(handles[files[hf]], hf, layout, shape.shape, dtype)
-            flat[key] = _place(value, placements[key])
-            del value  # the next tensor is read only once this one is on its devices
+        for key, parts in tensors.items():
+            read = lambda hf, layout, shape: _host_tensor(
+                handles[files[hf]], hf, layout, shape, dtype
+            )
+            if key[0] != "layers":
+                flat[key] = _place(read(*parts[0]), placements[key])
+            else:  # stacked: filled on the devices one layer at a time
+                flat[key] = _place_stacked(
+                    (read(*part) for part in parts), shapes[key].shape, dtype, placements[key]
+                )
     return cfg, traverse_util.unflatten_dict(flat)
+
+
+def _place_stacked(layers, shape, dtype: str, sharding) -> jax.Array:
+    """A stacked [num_layers, ...] parameter from its layers (host arrays, in order), filled in
+    on the devices (or into `sharding`) one layer at a time: the host holds one layer's tensor,
+    never the whole stack."""
+    dtype = jax.numpy.dtype(dtype)
+    if sharding is None:
+        stacked, layer_sharding = jax.numpy.zeros(shape, dtype), None
+        set_layer = jax.jit(_set_layer, donate_argnums=0)
+    else:
+        stacked = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+        spec = sharding.spec
+        layer_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
+    for i, value in enumerate(layers):
+        stacked = set_layer(stacked, _place(value, layer_sharding), i)
+        del value  # the next layer is read only once this one is on its devices
+    return stacked
+
+
+def _set_layer(stacked, value, i):
+    return jax.lax.dynamic_update_index_in_dim(stacked, value, i, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,9 +576,12 @@ def save_pretrained(
     hf_config = hf_config_dict(model_config, dtype, tokenizer)
     flat = traverse_util.flatten_dict(params)
     tensors = {}
-    for key, (hf, layout) in weight_names(model_config).items():
-        value = np.asarray(jax.device_get(flat[key])).astype(jax.numpy.dtype(dtype))
-        tensors[hf] = np.ascontiguousarray(_LAYOUTS[layout][0](value))
+    for key in weight_names(model_config):
+        parts = hf_tensors(model_config, key, flat[key].shape)
+        for i, (hf, layout, _) in enumerate(parts):
+            value = flat[key] if key[0] != "layers" else flat[key][i]  # one layer of a stack
+            value = np.asarray(jax.device_get(value)).astype(jax.numpy.dtype(dtype))
+            tensors[hf] = np.ascontiguousarray(_LAYOUTS[layout][0](value))
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:

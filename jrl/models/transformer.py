@@ -10,11 +10,30 @@ attention on all layers (Mistral) or on a per-layer pattern (Gemma 2/3, Qwen), a
 theta for the sliding layers (Gemma 3). Every parameter carries logical axis names ("vocab",
 "embed", "heads", "kv_heads", "head_dim", "mlp") that `jrl.sharding` maps onto a device mesh.
 
+The decoder blocks' parameters are stacked: `params["layers"]` is one block's tree with a
+leading [num_layers] axis (logical name "layers"; `jrl.models.hf` maps layer i to Hugging Face's
+`model.layers.{i}.*`). The full forward runs the blocks as a `scan` over that axis (one block
+compiled, not num_layers; with `remat` each iteration keeps only its input for the backward,
+which a loop guarantees on every backend); what differs between layers besides weights (rope
+frequencies, sliding window or not) goes in as scanned inputs (`layer_inputs`). The rollout
+runs the layers one by one, each with its own KV cache.
+
 One call serves three uses:
-  * the full forward over a sequence (training, log-probs, values): `cache=None`;
-  * prefill and KV-cache decode (rollout): pass `cache` (from `init_cache`) and `cache_index`,
-    the cache slot of the first input token. The new keys / values are written there and the
-    queries attend over the whole cache, as `attn_mask` allows.
+  * the full forward over a sequence (training, log-probs, values): `cache=None, mask=None`, rows
+    right-padded (`full_forward` moves each row's left padding to its end and back), so causal
+    masking alone is exact and attention runs through `jrl.models.attention` (blockwise, or a
+    fused kernel, at long lengths: no [L, L] scores of a whole sequence);
+  * prefill and KV-cache decode (rollout): pass `cache` (from `init_cache`), `cache_index`, the
+    cache slot of the first input token, and a [B, L, S] mask. The new keys / values are written
+    there and the queries attend over the cache, as the mask allows (a prefill from slot 0 only
+    over the slots it fills).
+
+The module returns the final hidden states and the output projection, not logits: callers take
+`lm_logits` where they need them (the last position in the rollout) or log-probs a chunk of
+positions at a time (`token_log_probs`), so no [B, L, V] array is needed at real vocabularies.
+Memory knobs (`ModelConfig`, not architecture: a checkpoint computes the same with any of them):
+`remat` rematerialises decoder blocks in the backward, `attention` / `attention_block_size`
+choose the attention implementation, `logits_chunk_size` the positions per log-prob chunk.
 
 Sliding windows are measured in slots: input token l sits in slot `cache_index + l` (slot l
 without a cache) and may see the keys in slots (slot - sliding_window, slot]. A row's real tokens
@@ -32,10 +51,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jrl.models import attention as attention_lib
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -70,6 +93,17 @@ def _llama3_inv_freq(inv_freq, cfg):
     medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
     return np.where(medium, smoothed, scaled)
 
+
+# Rematerialisation of decoder blocks in the backward (`ModelConfig.remat`): what a block keeps
+# from its forward; everything else is recomputed. None: no rematerialisation.
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,  # every activation of every layer is kept for the backward
+    "block": jax.checkpoint_policies.nothing_saveable,  # only each block's input is kept
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # + projection outputs
+}
+
+# Fields of ModelConfig that choose how the model is computed, not what it computes.
+COMPUTE_FIELDS = ("dtype", "remat", "attention", "attention_block_size", "logits_chunk_size")
 
 # RoPE frequency scalings by their Hugging Face `rope_type`: f(inverse frequencies, cfg).
 ROPE_SCALINGS: dict[str, Callable] = {
@@ -125,6 +159,11 @@ class ModelConfig:
     rope_original_max_position_embeddings: int = 8192  # llama3: the pre-training context
     max_position_embeddings: int = 8192  # recorded for export; no limit is enforced
     hf_model_type: str | None = None  # family written on export; None: inferred from features
+    # How to compute (COMPUTE_FIELDS): the same function whatever these are.
+    remat: str = "none"  # a key of REMAT_POLICIES: none | block | dots
+    attention: str = "auto"  # full-forward attention (jrl.models.attention.IMPLEMENTATIONS)
+    attention_block_size: int = 512  # query positions per block of blockwise attention
+    logits_chunk_size: int = 0  # positions per log-prob / entropy chunk; 0: all at once
 
     @property
     def head_size(self) -> int:
@@ -142,6 +181,13 @@ class ModelConfig:
             raise ValueError("model has neither lm_head nor value_head; enable at least one.")
         _check_choice("hidden_act", self.hidden_act, ACTIVATIONS)
         _check_choice("rope_scaling_type", self.rope_scaling_type, ROPE_SCALINGS)
+        _check_choice("remat", self.remat, REMAT_POLICIES)
+        _check_choice("attention", self.attention, attention_lib.IMPLEMENTATIONS)
+        if self.attention_block_size < 1 or self.logits_chunk_size < 0:
+            raise ValueError(
+                f"model.attention_block_size={self.attention_block_size} must be >= 1 and "
+                f"model.logits_chunk_size={self.logits_chunk_size} >= 0 (0: one chunk)."
+            )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(
@@ -154,6 +200,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} must be >= 1, or None for no window."
             )
+
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """The attention kinds among the layers, sorted: (False,) full only, (True,) sliding
+        only, (False, True) both (Gemma 2 / 3)."""
+        return tuple(sorted({self.is_sliding(i) for i in range(self.num_layers)}))
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
@@ -234,12 +285,31 @@ def sliding_window_mask(window: int, query_len: int, key_len: int, cache_index=N
     return jnp.arange(key_len)[None, :] > q_slot[:, None] - window
 
 
+def layer_inputs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """What differs between layers besides their weights: rope inverse frequencies [L, D/2]
+    (float32) and whether each layer attends through the sliding window [L] (bool)."""
+    inv_freq = np.stack([rope_inv_freq(cfg, i) for i in range(cfg.num_layers)])
+    return inv_freq, np.array([cfg.is_sliding(i) for i in range(cfg.num_layers)])
+
+
+def _by_kind(cfg: ModelConfig, sliding, attend):
+    """attend(window) of a layer: window = cfg.sliding_window on a sliding layer, else None.
+    `sliding` is a bool, or traced inside the scan over the layers of a model that has both
+    kinds (Gemma 2 / 3): then both are compiled and `lax.cond` picks one per layer."""
+    kinds = cfg.layer_kinds()
+    if len(kinds) == 1 or isinstance(sliding, (bool, np.bool_)):
+        sliding = kinds[0] if len(kinds) == 1 else bool(sliding)
+        return attend(cfg.sliding_window if sliding else None)
+    return jax.lax.cond(sliding, lambda: attend(cfg.sliding_window), lambda: attend(None))
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
-    layer: int = 0
 
     @nn.compact
-    def __call__(self, x_BLH, positions_BL, mask_BLS, cache=None, cache_index=None):
+    def __call__(
+        self, x_BLH, positions_BL, mask_BLS, inv_freq, sliding, cache=None, cache_index=None
+    ):
         cfg = self.cfg
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_size
         dt = jnp.dtype(cfg.dtype)
@@ -258,7 +328,6 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg, "head_dim", name="q_norm")(q)
             kk = RMSNorm(cfg, "head_dim", name="k_norm")(kk)
-        inv_freq = rope_inv_freq(cfg, self.layer)
         q, kk = apply_rope(q, positions_BL, inv_freq), apply_rope(kk, positions_BL, inv_freq)
         v = proj("v_proj", k, "kv_heads")
         new_cache = None
@@ -270,19 +339,43 @@ class Attention(nn.Module):
                 cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0)
             )
             new_cache = {"k": kk, "v": v}
-        b, l = q.shape[:2]
-        if cfg.is_sliding(self.layer):
-            window = sliding_window_mask(cfg.sliding_window, l, kk.shape[1], cache_index)
-            mask_BLS = mask_BLS & window[None]
-        q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
-        scores = jnp.einsum("blkgd,bskd->bkgls", q, kk.astype(dt)).astype(jnp.float32) * scale
-        scores = softcap(scores, cfg.attn_logit_softcapping)
-        scores = jnp.where(mask_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(dt)).reshape(b, l, n, d)
+        if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
+            attend = lambda window: attention_lib.causal_attention(
+                q,
+                kk,
+                v,
+                scale=scale,
+                softcap=cfg.attn_logit_softcapping,
+                sliding_window=window,
+                implementation=cfg.attention,
+                block_size=cfg.attention_block_size,
+            )
+        else:
+            attend = lambda window: _masked_attention(
+                q, kk, v, mask_BLS, cache_index, window, scale, cfg
+            )
+        out = _by_kind(cfg, sliding, attend)
         wo = _param(self, "o_proj", (n, d, h), ("heads", "head_dim", "embed"), cfg)
         return jnp.einsum("blnd,ndh->blh", out, wo.astype(dt)), new_cache
+
+
+def _masked_attention(q, kk, v, mask_BLS, cache_index, window, scale, cfg: ModelConfig):
+    """Attention as `mask_BLS` [B, L, S] allows (rollout: prefill and decode over the KV cache).
+    A prefill from slot 0 (`cache_index` a Python int) attends only over the slots it fills."""
+    b, l, n, d = q.shape
+    k = kk.shape[2]
+    if isinstance(cache_index, int):
+        kk, v, mask_BLS = kk[:, : cache_index + l], v[:, : cache_index + l], mask_BLS[..., : cache_index + l]
+    if window is not None:
+        mask_BLS = mask_BLS & sliding_window_mask(window, l, kk.shape[1], cache_index)[None]
+    dt = q.dtype
+    q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, kk.astype(dt)).astype(jnp.float32) * scale
+    scores = softcap(scores, cfg.attn_logit_softcapping)
+    scores = jnp.where(mask_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(dt)).reshape(b, l, n, d)
 
 
 class MLP(nn.Module):
@@ -306,16 +399,19 @@ class Block(nn.Module):
     Norm names: "input_norm" before attention, "post_attn_norm" before the MLP (HF Llama's
     post_attention_layernorm, Gemma's pre_feedforward_layernorm), "attn_out_norm" / "mlp_out_norm"
     on the outputs (Gemma's post_attention_layernorm / post_feedforward_layernorm).
+
+    `layer` = (rope inverse frequencies [D/2], sliding or not) of this layer (`layer_inputs`).
+    Returns (x, the layer's updated KV cache or None): the form of a `scan` body over layers.
     """
 
     cfg: ModelConfig
-    layer: int = 0
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache=None, cache_index=None):
+    def __call__(self, x, layer, positions, mask=None, cache=None, cache_index=None):
         cfg = self.cfg
-        a, cache = Attention(cfg, self.layer, name="attn")(
-            RMSNorm(cfg, name="input_norm")(x), positions, mask, cache, cache_index
+        inv_freq, sliding = layer
+        a, cache = Attention(cfg, name="attn")(
+            RMSNorm(cfg, name="input_norm")(x), positions, mask, inv_freq, sliding, cache, cache_index
         )
         if cfg.sandwich_norms:
             a = RMSNorm(cfg, name="attn_out_norm")(a)
@@ -326,40 +422,79 @@ class Block(nn.Module):
         return x + m, cache
 
 
+class Output(NamedTuple):
+    hidden: jax.Array  # [B, L, H] after the final norm, in the compute dtype
+    head: jax.Array | None  # output projection in the compute dtype, as stored: [V, H] (tied
+    # embeddings) or [H, V] (lm_head); None without an lm head. `lm_logits` takes either.
+    values: jax.Array | None  # [B, L] float32 (None: no value head)
+    cache: tuple | None  # the updated KV cache (None without one)
+
+
 class Transformer(nn.Module):
-    """Decoder. `__call__` returns (logits [B, L, V] f32 or None, values [B, L] f32 or None, cache)."""
+    """Decoder. `__call__(ids, positions, mask, cache=None, cache_index=None)` -> `Output`;
+    `mask` [B, L, S] bool, or None for a full forward over right-padded rows (causal)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, input_ids_BL, positions_BL, mask_BLS, cache=None, cache_index=None):
+    def __call__(self, input_ids_BL, positions_BL, mask_BLS=None, cache=None, cache_index=None):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
         x = jnp.take(embed, input_ids_BL, axis=0).astype(dt)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
-        new_cache = []
-        for i in range(cfg.num_layers):
-            x, c = Block(cfg, i, name=f"layers_{i}")(
-                x, positions_BL, mask_BLS, None if cache is None else cache[i], cache_index
+        inv_freq, sliding = layer_inputs(cfg)
+        if cache is None:  # full forward: a scan over the layers, each rematerialised if asked
+            policy = REMAT_POLICIES[cfg.remat]
+            block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            new_cache.append(c)
+            x, _ = layers(cfg, name="layers")(x, (inv_freq, sliding), positions_BL, mask_BLS)
+        else:  # rollout: layer by layer, each with its own cache (updated in place)
+            stacked = self.variables["params"]["layers"]
+            # A layer's matrices sliced and cast together (XLA hoists this out of a decode loop:
+            # one copy in the compute dtype, not one in the master dtype); 1-D norms as stored.
+            layer = lambda a, i: a[i].astype(dt) if a.ndim > 2 else a[i]
+            new_cache = []
+            for i in range(cfg.num_layers):
+                x, c = Block(cfg).apply(
+                    {"params": jax.tree.map(lambda a, i=i: layer(a, i), stacked)},
+                    x,
+                    (inv_freq[i], bool(sliding[i])),
+                    positions_BL,
+                    mask_BLS,
+                    cache[i],
+                    cache_index,
+                )
+                new_cache.append(c)
         x = RMSNorm(cfg, name="final_norm")(x)
-        logits = values = None
+        head = values = None
         if cfg.lm_head:
             if cfg.tie_word_embeddings:
-                head = embed.T
+                head = embed  # [V, H]: used as stored, so its gradient needs no transpose
             else:
                 head = _param(
                     self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg
                 )
-            logits = softcap((x @ head.astype(dt)).astype(jnp.float32), cfg.final_logit_softcapping)
+            head = head.astype(dt)
         if cfg.value_head:
             w = _param(self, "value_head", (cfg.hidden_size, 1), ("embed", None), cfg)
             b = _param(self, "value_head_bias", (1,), (None,), cfg, nn.initializers.zeros)
             values = (x @ w.astype(dt) + b.astype(dt))[..., 0].astype(jnp.float32)
-        return logits, values, (None if cache is None else tuple(new_cache))
+        return Output(x, head, values, None if cache is None else tuple(new_cache))
+
+
+def lm_logits(cfg: ModelConfig, hidden, head):
+    """Next-token logits (float32) of final hidden states [..., H] through `Output.head`."""
+    spec = "...h,vh->...v" if cfg.tie_word_embeddings else "...h,hv->...v"
+    return softcap(jnp.einsum(spec, hidden, head).astype(jnp.float32), cfg.final_logit_softcapping)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[dict[str, Any], ...]:
@@ -383,8 +518,7 @@ def causal_mask(mask_BL):
 
 def _boxed_init(cfg: ModelConfig, key):
     ids = jnp.zeros((1, 2), jnp.int32)
-    mask = jnp.ones((1, 2), jnp.int32)
-    return Transformer(cfg).init(key, ids, positions_from_mask(mask), causal_mask(mask))["params"]
+    return Transformer(cfg).init(key, ids, positions_from_mask(jnp.ones_like(ids)))["params"]
 
 
 def init_params(cfg: ModelConfig, key) -> Any:
@@ -397,15 +531,31 @@ def logical_axes(cfg: ModelConfig) -> Any:
     return nn.get_partition_spec(jax.eval_shape(lambda k: _boxed_init(cfg, k), jax.random.key(0)))
 
 
+def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL) -> Output:
+    """Full forward of rows with left and / or right padding (each row's real tokens consecutive):
+    `Output` with hidden [B, L, H] and values [B, L] at the input positions (garbage at padding).
+
+    Each row is rotated so that its real tokens come first: then causal attention alone is exact
+    (the padding sits after every real token) and needs no [B, L, L] mask."""
+    l = input_ids_BL.shape[1]
+    start_B = jnp.argmax(attention_mask_BL != 0, axis=-1)  # the first real token (left padding)
+    aligned = (jnp.arange(l)[None] + start_B[:, None]) % l  # aligned slot t <- input position
+    back = (jnp.arange(l)[None] - start_B[:, None]) % l  # input position s <- aligned slot
+    ids = jnp.take_along_axis(input_ids_BL, aligned, axis=1)
+    mask = jnp.take_along_axis(attention_mask_BL, aligned, axis=1)
+    out = Transformer(cfg).apply({"params": params}, ids, positions_from_mask(mask))
+    hidden = jnp.take_along_axis(out.hidden, back[..., None], axis=1)
+    values = None if out.values is None else jnp.take_along_axis(out.values, back, axis=1)
+    return out._replace(hidden=hidden, values=values)
+
+
 def apply_full(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL):
-    """Full forward with left / right padding: (logits [B, L, V] or None, values [B, L] or None)."""
-    logits, values, _ = Transformer(cfg).apply(
-        {"params": params},
-        input_ids_BL,
-        positions_from_mask(attention_mask_BL),
-        causal_mask(attention_mask_BL),
-    )
-    return logits, values
+    """Full forward with left / right padding: (logits [B, L, V] or None, values [B, L] or None).
+    Builds the whole [B, L, V] logits: for tests and small models (`jrl.step.token_log_probs`
+    takes log-probs a chunk at a time)."""
+    out = full_forward(cfg, params, input_ids_BL, attention_mask_BL)
+    logits = None if out.head is None else lm_logits(cfg, out.hidden, out.head)
+    return logits, out.values
 
 
 def forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL=None):

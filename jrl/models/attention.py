@@ -1,0 +1,280 @@
+"""Causal self-attention over whole sequences without a [L, L] score matrix per head.
+
+`causal_attention(q, k, v, scale=...)` is the attention of the full forward of a decoder LM
+(training, log-prob and value scoring): q [B, L, N, D], k and v [B, L, K, D], output [B, L, N, D]
+in q's dtype. N query heads share K kv heads (grouped-query attention: N a multiple of K, query
+head h uses kv head h // (N // K)); D is the head dim. Inputs come already in the compute dtype.
+Per head it computes
+
+    scores = softcap(q k^T * scale)      float32; softcap(x) = c * tanh(x / c), or identity
+    probs  = softmax(masked scores)      float32, then cast to the compute dtype
+    out    = probs v
+
+Masking convention: rows are RIGHT-padded (each row's real tokens first, its padding after), so a
+purely causal mask is exact for every real token: key s is visible to query l iff s <= l, and,
+with `sliding_window=w`, also s > l - w (w counts the keys a query sees, itself included, as in
+HF Mistral / Gemma). No padding mask is taken: padded queries come after every real token, their
+outputs are garbage the caller ignores, and padded keys are never visible to a real query. Positions
+are sequence indices 0..L-1 (the same slots as `transformer.sliding_window_mask` with
+cache_index=None).
+
+Implementations (`implementation=`; `resolve_implementation` says which one "auto" runs):
+  * "xla": the materialised reference, one [B, K, N/K, L, L] float32 score array (mask built from
+    iota). Exact and fastest at short lengths; memory O(N L^2).
+  * "blockwise": pure JAX, for any backend. Queries are split into blocks of `block_size` (L padded
+    up to a multiple, the padding sliced off after; padded keys sit after every real query, so the
+    causal mask hides them). `lax.map` runs one block at a time, each under `jax.checkpoint`, so
+    neither the forward nor the backward holds more than one block's scores: the backward
+    recomputes a block's scores from its saved inputs (q block, and k, v) instead of storing every
+    block's probabilities. Each block takes an exact softmax over the keys it may see: all L keys
+    without a window, or a static-width slice of `block_size + window - 1` keys with one. Memory:
+    besides O(B L N D) activations, about four [B, N, block_size, W] float32 arrays at a time in
+    the backward (W = L, or the window slice), against several [B, N, L, L] for "xla"; at L = 20k,
+    block 512, 16 heads, B = 1 that is 0.67 GB per array instead of 27 GB. Trade-offs:
+    without a window about half the score FLOPs go to keys the causal mask hides (an online softmax
+    over key blocks could skip those, at the price of a hand-written backward); the checkpoint
+    costs one extra forward of the scores in the backward. Numerics follow "xla" (float32 scores
+    and softmax, probs cast before the PV matmul): float32 results match to ~1e-6.
+  * "cudnn": cuDNN's fused flash attention through `jax.nn.dot_product_attention` (causal, the
+    window as local_window_size=(w - 1, 0), GQA handled by cuDNN). NVIDIA GPUs only, float16 /
+    bfloat16 inputs, no softcap, head dim a multiple of 8 and <= 128 (256 from Hopper on).
+  * "splash": the Pallas TPU splash-attention kernel (causal / local mask, softcap, GQA; square
+    blocks of `block_size` rounded up to a multiple of 128, at most L rounded up, L padded to a
+    multiple of the block; q pre-multiplied by `scale` in float32, cast back). Off TPU it runs in
+    the Pallas interpreter (slow; for testing only). A Pallas call has no SPMD partitioning rule
+    (it would need a shard_map), so under a multi-device sharding XLA would replicate it, its
+    inputs gathered onto every device: "auto" picks it only when there is one TPU device.
+  * "auto": "cudnn" on a GPU backend when the inputs allow it, else "splash" on a single TPU
+    device, else "blockwise" when L > block_size, else "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
+
+_MASKED = float(np.finfo(np.float32).min)  # score of a hidden key, as in transformer.py
+_CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def causal_attention(
+    q_BLND: jax.Array,
+    k_BLKD: jax.Array,
+    v_BLKD: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    implementation: str = "auto",
+    block_size: int = 512,
+) -> jax.Array:
+    """Causal (optionally sliding-window) self-attention of right-padded rows; see the module doc.
+
+    q [B, L, N, D], k / v [B, L, K, D] (N a multiple of K) -> [B, L, N, D] in q's dtype.
+    `scale` multiplies q.k; `softcap` c maps scores to c * tanh(scores / c); `sliding_window` w
+    lets query l see keys l - w < s <= l; `block_size` is the query block of "blockwise" and
+    "splash" (there rounded up to a multiple of 128), and the length above which "auto" leaves
+    "xla" for "blockwise"."""
+    b, l, n, d = q_BLND.shape
+    if k_BLKD.shape != v_BLKD.shape or k_BLKD.shape[:2] != (b, l) or k_BLKD.shape[3] != d:
+        raise ValueError(
+            f"k {k_BLKD.shape} and v {v_BLKD.shape} must be [B, L, K, D] of q {q_BLND.shape}"
+        )
+    if n % k_BLKD.shape[2]:
+        raise ValueError(f"{n} query heads are not a multiple of {k_BLKD.shape[2]} kv heads")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    if sliding_window is not None and sliding_window >= l:
+        sliding_window = None  # every causal key lies inside the window
+    impl = resolve_implementation(
+        implementation,
+        seq_len=l,
+        head_dim=d,
+        dtype=q_BLND.dtype,
+        softcap=softcap,
+        block_size=block_size,
+    )
+    if impl == "xla":
+        return _xla_attention(q_BLND, k_BLKD, v_BLKD, scale, softcap, sliding_window)
+    if impl == "blockwise":
+        return _blockwise_attention(
+            q_BLND, k_BLKD, v_BLKD, scale, softcap, sliding_window, block_size
+        )
+    if impl == "cudnn":
+        if softcap is not None:
+            raise ValueError("implementation='cudnn' has no attention logit softcap")
+        return _jax_dot_product_attention(q_BLND, k_BLKD, v_BLKD, scale, sliding_window, "cudnn")
+    return _splash_attention(
+        q_BLND,
+        k_BLKD,
+        v_BLKD,
+        scale,
+        softcap,
+        sliding_window,
+        block_size,
+        interpret=jax.default_backend() != "tpu",
+    )
+
+
+def resolve_implementation(
+    implementation: str,
+    *,
+    seq_len: int,
+    head_dim: int,
+    dtype,
+    softcap: float | None = None,
+    block_size: int = 512,
+    backend: str | None = None,
+) -> str:
+    """The implementation `causal_attention` runs for these inputs: `implementation` itself unless
+    it is "auto" (then see the module doc). `backend` defaults to jax.default_backend()."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and _cudnn_supports(head_dim, dtype, softcap):
+        return "cudnn"
+    if backend == "tpu" and jax.device_count() == 1:
+        return "splash"
+    return "blockwise" if seq_len > block_size else "xla"
+
+
+def _cudnn_supports(head_dim: int, dtype, softcap: float | None) -> bool:
+    """cuDNN flash attention's limits (jax/_src/cudnn/fused_attention_stablehlo.py)."""
+    if softcap is not None or jnp.dtype(dtype) not in _CUDNN_DTYPES or head_dim % 8:
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "8.0")  # "8.0" when unknown
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:  # not an NVIDIA device (no cuDNN)
+        return False
+    return head_dim <= (256 if major >= 9 else 128)
+
+
+def _visible(q_pos, k_pos, window: int | None):
+    """Bool mask: key position k_pos visible to query position q_pos (broadcasting)."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return mask
+
+
+def _softcap(x, cap: float | None):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _block_attention(q_BLKGD, k_BSKD, v_BSKD, q_pos, k_pos, scale, softcap, window):
+    """Attention of queries at `q_pos` [L] over keys at `k_pos` [S]: [B, L, K, G, D]."""
+    dt = q_BLKGD.dtype
+    scores = jnp.einsum("blkgd,bskd->bkgls", q_BLKGD, k_BSKD.astype(dt))
+    scores = _softcap(scores.astype(jnp.float32) * scale, softcap)
+    scores = jnp.where(_visible(q_pos[:, None], k_pos[None, :], window), scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    return jnp.einsum("bkgls,bskd->blkgd", probs, v_BSKD.astype(dt))
+
+
+def _xla_attention(q, k, v, scale, softcap, window):
+    """The materialised reference: one [B, K, G, L, L] float32 score array."""
+    b, l, n, d = q.shape
+    kh = k.shape[2]
+    pos = lax.iota(jnp.int32, l)
+    out = _block_attention(q.reshape(b, l, kh, n // kh, d), k, v, pos, pos, scale, softcap, window)
+    return out.reshape(b, l, n, d)
+
+
+def _blockwise_attention(q, k, v, scale, softcap, window, block_size):
+    """Query blocks of `block_size`, one at a time (`lax.map`), each rematerialised in the
+    backward (`jax.checkpoint`); per block an exact softmax over the keys it may see."""
+    b, l, n, d = q.shape
+    kh = k.shape[2]
+    bq = min(block_size, l)
+    nb = -(-l // bq)
+    lp = nb * bq
+    if lp != l:  # right-pad: padded keys follow every real query, so the causal mask hides them
+        pad = ((0, 0), (0, lp - l), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    # Keys a block may see: all of them, or with a window the bq + window - 1 before its end.
+    width = lp if window is None else min(lp, bq + window - 1)
+    q_blocks = q.reshape(b, nb, bq, kh, n // kh, d).swapaxes(0, 1)  # [nb, B, bq, K, G, D]
+
+    def one_block(i, q_blk):
+        q_start = i * bq
+        if width == lp:
+            k_start, k_blk, v_blk = 0, k, v
+        else:  # a static-width slice of keys, clipped into [0, lp)
+            k_start = jnp.clip(q_start - window + 1, 0, lp - width)
+            k_blk = lax.dynamic_slice_in_dim(k, k_start, width, axis=1)
+            v_blk = lax.dynamic_slice_in_dim(v, k_start, width, axis=1)
+        q_pos = q_start + lax.iota(jnp.int32, bq)
+        k_pos = k_start + lax.iota(jnp.int32, width)
+        return _block_attention(q_blk, k_blk, v_blk, q_pos, k_pos, scale, softcap, window)
+
+    one_block = jax.checkpoint(one_block, prevent_cse=False)
+    out = lax.map(lambda xs: one_block(*xs), (jnp.arange(nb, dtype=jnp.int32), q_blocks))
+    return out.swapaxes(0, 1).reshape(b, lp, n, d)[:, :l]
+
+
+def _jax_dot_product_attention(q, k, v, scale, window, implementation: str):
+    """`jax.nn.dot_product_attention` with this module's causal / window convention; with
+    implementation="cudnn" the "cudnn" path, with "xla" its CPU-testable twin."""
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
+    )
+
+
+def _splash_attention(q, k, v, scale, softcap, window, block_size, *, interpret: bool):
+    """The Pallas TPU splash kernel (`interpret=True`: the Pallas interpreter, any backend), with
+    square blocks of min(block_size, L) rounded up to a multiple of 128 (the TPU lane width)."""
+    _, l, n, _ = q.shape
+    block = -(-min(block_size, l) // 128) * 128
+    lp = -(-l // block) * block
+    if lp != l:  # right-pad, as in blockwise: the causal mask hides the padded keys
+        pad = ((0, 0), (0, lp - l), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    kernel = _splash_kernel(n, lp, window, softcap, block, interpret)
+    q_BNLD = (q.astype(jnp.float32) * scale).astype(q.dtype).transpose(0, 2, 1, 3)
+    out = jax.vmap(kernel)(q_BNLD, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    return out.transpose(0, 2, 1, 3)[:, :l].astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(num_heads, seq_len, window, softcap, block, interpret):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    shape = (seq_len, seq_len)
+    if window is None:
+        mask = splash.CausalMask(shape)
+    else:
+        mask = splash.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    with jax.ensure_compile_time_eval():  # mask tables as constants, also when built in a trace
+        return splash.make_splash_mha_single_device(
+            splash.MultiHeadMask([mask] * num_heads),
+            block_sizes=sizes,
+            attn_logits_soft_cap=softcap,
+            interpret=interpret,
+        )

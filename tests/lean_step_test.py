@@ -1,0 +1,317 @@
+"""The memory-lean step computes what the plain one does: chunked log-probs and entropy,
+rematerialised blocks, micro-batches (update and scoring) and blockwise attention each give the
+plain path's values and gradients, and the fused step with all of them on gives the metrics and
+parameters of the step with all of them off. Plus the micro-batch size checks and
+`python -m jrl.bench --memory`."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import config as config_lib
+from jrl import sharding
+from jrl import step as step_lib
+from jrl import train
+from jrl.models import transformer as tfm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configs import grpo_math  # noqa: E402
+
+CFG = tfm.ModelConfig(
+    vocab_size=37,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=48,
+    qkv_bias=True,
+    tie_word_embeddings=False,
+    final_logit_softcapping=7.0,
+)
+
+
+def _batch(seed=0, b=3, p=5, r=7, vocab=37):
+    """Left-padded prompts and right-padded responses of different lengths."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(1, vocab, (b, p)).astype(np.int32)
+    pmask = np.ones((b, p), np.int32)
+    pmask[1, :2] = 0  # left padding
+    pmask[2, :4] = 0
+    resp = rng.integers(1, vocab, (b, r)).astype(np.int32)
+    rmask = np.ones((b, r), np.int32)
+    rmask[0, 5:] = 0  # right padding (after EOS)
+    rmask[2, 2:] = 0
+    return tuple(jnp.asarray(x) for x in (prompt * pmask, pmask, resp * rmask, rmask))
+
+
+def _numpy_log_probs(hidden, head, targets, temperature, cap):
+    """Independent reference: full logits, log-softmax and entropy in float64 numpy."""
+    logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64)
+    logits = cap * np.tanh(logits / cap) / temperature
+    logz = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    logp_all = logits - logz[..., None]
+    logp = np.take_along_axis(logp_all, np.asarray(targets)[..., None], -1)[..., 0]
+    entropy = -np.sum(np.exp(logp_all) * logp_all, -1)
+    return logp, entropy
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 4, 16])  # 0: one chunk; 3 and 4 do not divide 10
+def test_chunked_log_probs_and_entropy_equal_full_logits(chunk):
+    cfg = dataclasses.replace(CFG, logits_chunk_size=chunk)
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.standard_normal((2, 10, 32)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((32, 37)) * 0.3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 37, (2, 10)), jnp.int32)
+    logp, ent = step_lib.token_log_probs(cfg, hidden, head, targets, 0.7, with_entropy=True)
+    want_logp, want_ent = _numpy_log_probs(hidden, head, targets, 0.7, 7.0)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, rtol=1e-5, atol=1e-5)
+
+    def loss(c, h, w):  # a scalar of both outputs, with unequal weights per position
+        lp, en = step_lib.token_log_probs(c, h, w, targets, 0.7, with_entropy=True)
+        weights = jnp.arange(20, dtype=jnp.float32).reshape(2, 10)
+        return jnp.sum(lp * weights) + 0.3 * jnp.sum(en * weights[::-1])
+
+    plain = dataclasses.replace(CFG, logits_chunk_size=0)
+    got = jax.grad(lambda h, w: loss(cfg, h, w), argnums=(0, 1))(hidden, head)
+    want = jax.grad(lambda h, w: loss(plain, h, w), argnums=(0, 1))(hidden, head)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_log_probs_hold_no_full_logits():
+    """Compile-time memory of the gradient: the chunked path never holds [B, L, V] logits."""
+    b, l, h, v = 2, 512, 16, 4096
+    full_logits = b * l * v * 4
+
+    def temp_bytes(chunk):
+        cfg = dataclasses.replace(CFG, vocab_size=v, hidden_size=h, logits_chunk_size=chunk)
+        f = lambda hid, w, t: jnp.sum(step_lib.token_log_probs(cfg, hid, w, t, 1.0, True)[0])
+        args = (
+            jax.ShapeDtypeStruct((b, l, h), jnp.float32),
+            jax.ShapeDtypeStruct((h, v), jnp.float32),
+            jax.ShapeDtypeStruct((b, l), jnp.int32),
+        )
+        grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(0) > full_logits  # the plain path does hold them (the check can fail)
+    chunk_logits = full_logits // 16  # chunks of 32 positions
+    assert temp_bytes(32) < min(8 * chunk_logits, full_logits / 2)  # a few chunks' worth
+
+
+@pytest.mark.parametrize("remat", ["block", "dots"])
+def test_remat_gives_the_same_values_and_gradients(remat):
+    prompt, pmask, resp, rmask = _batch()
+    params = tfm.init_params(CFG, jax.random.key(0))
+
+    def loss(cfg, p):
+        out = step_lib.response_outputs(cfg, p, prompt, pmask, resp, rmask, 1.0, True)
+        return jnp.sum((out["log_prob"] + 0.1 * out["entropy"]) * rmask)
+
+    want_v, want_g = jax.value_and_grad(lambda p: loss(CFG, p))(params)
+    got_v, got_g = jax.value_and_grad(lambda p: loss(dataclasses.replace(CFG, remat=remat), p))(
+        params
+    )
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_g, want_g)
+
+
+def test_blockwise_attention_in_the_model_gives_the_same_log_probs_and_gradients():
+    """The full forward with blockwise attention (blocks of 4 over 12 positions) equals the
+    materialised one, padding and a sliding-window layer included."""
+    cfg = dataclasses.replace(
+        CFG, sliding_window=5, layer_types=("sliding_attention", "full_attention")
+    )
+    prompt, pmask, resp, rmask = _batch()
+    params = tfm.init_params(cfg, jax.random.key(2))
+
+    def loss(c, p):
+        out = step_lib.response_outputs(c, p, prompt, pmask, resp, rmask)
+        return jnp.sum(out["log_prob"] * rmask), out["log_prob"]
+
+    grad = lambda c: jax.value_and_grad(lambda p: loss(c, p), has_aux=True)(params)
+    (_, want_lp), want_g = grad(dataclasses.replace(cfg, attention="xla"))
+    (_, got_lp), got_g = grad(dataclasses.replace(cfg, attention="blockwise", attention_block_size=4))
+    real = np.asarray(rmask, bool)
+    np.testing.assert_allclose(np.asarray(got_lp)[real], np.asarray(want_lp)[real], atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
+
+
+def _tiny(**changes):
+    cfg = grpo_math.get_config("tiny")
+    for k, v in changes.items():
+        section, field = k.split(".")
+        cfg[section][field] = v
+    return cfg
+
+
+def _phases(cfg, mesh=None):
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    phases = step_lib.make_phases(
+        cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task), mesh=mesh
+    )
+    return task, model_cfg, phases
+
+
+# (changes to the tiny config): policy losses x aggregation modes, a KL loss, and critics.
+UPDATE_CASES = {
+    "vanilla-token-mean-kl": {"actor.use_kl_loss": True, "actor.entropy_coeff": 0.01},
+    "gspo": {"actor.policy_loss": "gspo"},
+    "geo_mean": {"actor.policy_loss": "geo_mean"},
+    "cispo-seq-mean-token-sum": {
+        "actor.policy_loss": "cispo",
+        "actor.loss_agg_mode": "seq-mean-token-sum",
+    },
+    "gae-critic-seq-mean-token-mean": {
+        "algorithm.adv_estimator": "gae",
+        "actor.loss_agg_mode": "seq-mean-token-mean",
+        "critic.loss_agg_mode": "seq-mean-token-mean",
+    },
+    "gae-shared-backbone": {"algorithm.adv_estimator": "gae", "critic.share_backbone": True},
+}
+
+
+@pytest.mark.parametrize("case", list(UPDATE_CASES))
+def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
+    """One optimizer update per mini-batch of 8 rows, in 4 micro-batches of 2 or in one: the same
+    parameters, critic and metrics. Scoring in micro-batches gives the same experience."""
+    changes = {**UPDATE_CASES[case], "actor.ppo_mini_batch_size": 2, "data.train_batch_size": 4}
+    plain_cfg = _tiny(**changes)
+    micro_cfg = _tiny(
+        **changes,
+        **{
+            "actor.ppo_micro_batch_size_per_device": 2,
+            "critic.ppo_micro_batch_size_per_device": 4,
+            "rollout.log_prob_micro_batch_size_per_device": 4,
+        },
+    )
+    task, model_cfg, (generate, score, update) = _phases(plain_cfg)
+    _, _, (_, micro_score, micro_update) = _phases(micro_cfg)
+    key = jax.random.key(0)
+    state = step_lib.init_state(plain_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    batch = task.train_batch(0, 4)
+    exp, _ = jax.jit(generate)(state, batch, key)
+    scored, _, _ = jax.jit(score)(state, exp)
+    micro_scored, _, _ = jax.jit(micro_score)(state, exp)
+    for k in ("old_log_prob", "advantages", "returns", "values", "ref_log_prob"):
+        if k in scored:
+            np.testing.assert_allclose(micro_scored[k], scored[k], rtol=1e-5, atol=1e-6)
+    # A fresh model rarely earns a reward: give the update advantages and returns to work on.
+    rng = np.random.default_rng(0)
+    mask = np.asarray(scored["response_mask"], np.float32)
+    for k in ("advantages", "returns"):
+        scored[k] = jnp.asarray(rng.standard_normal(mask.shape).astype(np.float32) * mask)
+    want_state, want_m = jax.jit(update)(state, scored, key)
+    got_state, got_m = jax.jit(micro_update)(state, scored, key)
+    assert set(got_m) == set(want_m)
+    for k in want_m:
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    for name in ("params", "critic_params"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+            getattr(got_state, name),
+            getattr(want_state, name),
+        )
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params))
+    assert max(moved) > 1e-4  # the update did change the parameters
+
+
+def test_fused_step_with_everything_on_equals_everything_off():
+    """Two steps of the tiny config: chunked log-probs, block remat, blockwise attention and
+    micro-batches (update and scoring) change no metric and no parameter."""
+    lean = {
+        "model.logits_chunk_size": 3,
+        "model.remat": "block",
+        "model.attention": "blockwise",
+        "model.attention_block_size": 4,
+        "actor.ppo_micro_batch_size_per_device": 2,
+        "rollout.log_prob_micro_batch_size_per_device": 4,
+    }
+    results = []
+    for cfg in (_tiny(), _tiny(**lean)):
+        tok, task, reward_fn, model_cfg = train.build(cfg)
+        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+        key = jax.random.key(0)
+        state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+        metrics = []
+        for i in range(2):
+            state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))
+            metrics.append(jax.device_get(m))
+        results.append((jax.device_get(state.params), metrics))
+    (want_params, want_metrics), (got_params, got_metrics) = results
+    for want, got in zip(want_metrics, got_metrics):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params)
+
+
+def test_micro_batch_sizes_must_divide_each_devices_rows():
+    cfg = _tiny(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
+    with pytest.raises(config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3") as e:
+        step_lib.micro_batch_counts(cfg)
+    assert "\n" not in str(e.value)
+    mesh = sharding.make_mesh(("data", "fsdp", "tensor"), (4, 1, 1), jax.devices()[:4])
+    ok = _tiny(**{"actor.ppo_micro_batch_size_per_device": 1})
+    assert step_lib.micro_batch_counts(ok, mesh) == {"log_prob": 1, "actor": 2, "critic": 1}
+    bad = _tiny(**{"rollout.log_prob_micro_batch_size_per_device": 3})  # 16 rows, 4 per device
+    with pytest.raises(config_lib.ConfigError, match="4 rows each device holds"):
+        step_lib.micro_batch_counts(bad, mesh)
+
+
+def test_cli_rejects_a_micro_batch_size_before_compiling(tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jrl.train",
+            "--config=configs/grpo_math.py:tiny",
+            f"--workdir={tmp_path / 'w'}",
+            "--config.actor.ppo_micro_batch_size_per_device=3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [l for l in run.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "ppo_micro_batch_size_per_device=3" in lines[0]
+    assert not (tmp_path / "w").exists()
+
+
+def test_bench_memory_reports_one_json_line():
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jrl.bench",
+            "--memory",
+            "--json",
+            "--config=configs/grpo_math.py:tiny",
+            "--config.actor.ppo_micro_batch_size_per_device=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "peak_bytes"):
+        assert isinstance(report[k], int) and report[k] >= 0, k
+    assert report["peak_bytes"] == (
+        report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"] + report["temp_bytes"]
+    )
+    assert (report["rows"], report["prompt_length"], report["response_length"]) == (16, 7, 4)
+    # The train state is an argument: float32 params + Adam's two moments, at least.
+    assert report["argument_bytes"] >= 3 * 4 * report["params"]
