@@ -74,6 +74,7 @@ def generate(
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS."""
     model = transformer.Transformer(model_cfg)
+    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
     b, p = prompt_ids_BP.shape
     r = max_new_tokens
     s = p + r

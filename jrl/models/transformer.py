@@ -12,11 +12,12 @@ theta for the sliding layers (Gemma 3). Every parameter carries logical axis nam
 
 The decoder blocks' parameters are stacked: `params["layers"]` is one block's tree with a
 leading [num_layers] axis (logical name "layers"; `jrl.models.hf` maps layer i to Hugging Face's
-`model.layers.{i}.*`). The full forward runs the blocks as a `scan` over that axis (one block
-compiled, not num_layers; with `remat` each iteration keeps only its input for the backward,
+`model.layers.{i}.*`). With `remat` the full forward runs the blocks as a `scan` over that axis
+(one block compiled, not num_layers; each iteration keeps only its input for the backward,
 which a loop guarantees on every backend); what differs between layers besides weights (rope
-frequencies, sliding window or not) goes in as scanned inputs (`layer_inputs`). The rollout
-runs the layers one by one, each with its own KV cache.
+frequencies, sliding window or not) goes in as scanned inputs (`layer_inputs`). Without remat
+(small models: faster on CPU) and in the rollout (each layer with its own KV cache) the layers
+run one by one.
 
 One call serves three uses:
   * the full forward over a sequence (training, log-probs, values): `cache=None, mask=None`, rows
@@ -445,8 +446,10 @@ class Transformer(nn.Module):
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
         inv_freq, sliding = layer_inputs(cfg)
-        if cache is None:  # full forward: a scan over the layers, each rematerialised if asked
-            policy = REMAT_POLICIES[cfg.remat]
+        policy = REMAT_POLICIES[cfg.remat]
+        if self.is_initializing() or (cache is None and policy is not None):
+            # A scan over the layers, each rematerialised: the backward keeps only each layer's
+            # input (a loop, unlike an unrolled remat, holds XLA to that on every backend).
             block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
             layers = nn.scan(
                 block,
@@ -457,20 +460,19 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = layers(cfg, name="layers")(x, (inv_freq, sliding), positions_BL, mask_BLS)
-        else:  # rollout: layer by layer, each with its own cache (updated in place)
-            stacked = self.variables["params"]["layers"]
-            # A layer's matrices sliced and cast together (XLA hoists this out of a decode loop:
-            # one copy in the compute dtype, not one in the master dtype); 1-D norms as stored.
-            layer = lambda a, i: a[i].astype(dt) if a.ndim > 2 else a[i]
+        else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
+            layers = self.variables["params"]["layers"]
+            if not isinstance(layers, (list, tuple)):  # stacked; see `unstack_layers`
+                layers = unstack_layers(cfg, {"layers": layers}, cast=False)["layers"]
             new_cache = []
             for i in range(cfg.num_layers):
                 x, c = Block(cfg).apply(
-                    {"params": jax.tree.map(lambda a, i=i: layer(a, i), stacked)},
+                    {"params": layers[i]},
                     x,
                     (inv_freq[i], bool(sliding[i])),
                     positions_BL,
                     mask_BLS,
-                    cache[i],
+                    None if cache is None else cache[i],
                     cache_index,
                 )
                 new_cache.append(c)
@@ -489,6 +491,20 @@ class Transformer(nn.Module):
             b = _param(self, "value_head_bias", (1,), (None,), cfg, nn.initializers.zeros)
             values = (x @ w.astype(dt) + b.astype(dt))[..., 0].astype(jnp.float32)
         return Output(x, head, values, None if cache is None else tuple(new_cache))
+
+
+def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
+    """`params` with the stacked blocks split into a list of per-layer trees, matrices cast to
+    the compute dtype with `cast` (1-D norm scales stay as stored). The rollout does this once,
+    before its decode loop, so the loop reads each layer's weights where they lie instead of
+    slicing (and, on some backends, copying) them from the stack at every token."""
+    dt = jnp.dtype(cfg.dtype)
+    layer = lambda a, i: a[i].astype(dt) if cast and a.ndim > 2 else a[i]
+    stacked = params["layers"]
+    return {
+        **params,
+        "layers": [jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)],
+    }
 
 
 def lm_logits(cfg: ModelConfig, hidden, head):
