@@ -30,8 +30,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jrl.models import transformer
-
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. "batch" covers the leading dim of batches and of the KV cache.
@@ -189,22 +187,20 @@ def mirror_shardings(mesh: Mesh, abstract_tree, abstract_params, params_sh):
 def state_shardings(
     mesh: Mesh,
     abstract_state,
-    policy_cfg: transformer.ModelConfig,
-    critic_cfg: transformer.ModelConfig | None = None,
+    policy_axes,
+    critic_axes=None,
     rules: Rules = DEFAULT_RULES,
 ):
     """Shardings of a whole `jrl.step.TrainState` (`abstract_state = jax.eval_shape(init)`).
 
     Policy and reference params by the policy's logical axes, critic params by the critic's,
     optimizer states mirroring their params (`mirror_shardings`); everything else (step, KL
-    coefficient, PRNG key, fields added later) replicated. `policy_cfg` / `critic_cfg` come from
-    `jrl.step.model_configs`.
+    coefficient, PRNG key, fields added later) replicated. `policy_axes` / `critic_axes` are
+    `jrl.models.transformer.logical_axes` of the model configs of `jrl.step.model_configs`.
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     out = jax.tree.map(lambda _: replicated, abstract_state)
-    params = param_shardings(
-        mesh, abstract_state.params, transformer.logical_axes(policy_cfg), rules
-    )
+    params = param_shardings(mesh, abstract_state.params, policy_axes, rules)
     out = out.replace(
         params=params,
         opt_state=mirror_shardings(mesh, abstract_state.opt_state, abstract_state.params, params),
@@ -212,14 +208,12 @@ def state_shardings(
     if abstract_state.ref_params is not None:
         out = out.replace(ref_params=params)
     if abstract_state.critic_params is not None:
-        if critic_cfg is None:
+        if critic_axes is None:
             raise ValueError(
-                "the state has critic params but critic_cfg is None; pass the critic's model "
-                "config (jrl.step.model_configs(cfg, model_cfg)[1])."
+                "the state has critic params but critic_axes is None; pass the logical axes of "
+                "the critic's model (jrl.step.model_configs(cfg, model_cfg)[1])."
             )
-        critic = param_shardings(
-            mesh, abstract_state.critic_params, transformer.logical_axes(critic_cfg), rules
-        )
+        critic = param_shardings(mesh, abstract_state.critic_params, critic_axes, rules)
         out = out.replace(
             critic_params=critic,
             critic_opt_state=mirror_shardings(

@@ -135,9 +135,16 @@ def token_log_probs(
     them chunk by chunk (the head's gradient accumulates over chunks)."""
 
     def chunk(h_BCH, t_BC):
+        # Written around one [B, c, V] array, the logits: the log-partition and the entropy are
+        # reductions over it (log_softmax would materialise a second one, its entropy a third).
+        h_BCH = sharding.constrain(h_BCH, PartitionSpec("batch"))  # rows stay split (a mesh)
         logits = transformer.lm_logits(model_cfg, h_BCH, head) / temperature
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), t_BC[..., None], -1)[..., 0]
-        return logp, (losses.entropy_from_logits(logits) if with_entropy else None)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, t_BC[..., None], -1)[..., 0] - log_z
+        if not with_entropy:
+            return logp, None
+        p = jnp.exp(logits - log_z[..., None])  # H = log Z - sum_v p_v logit_v (finite logits)
+        return logp, log_z - jnp.sum(p * logits, axis=-1)
 
     b, l, _ = hidden_BLH.shape
     c = model_cfg.logits_chunk_size

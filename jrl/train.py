@@ -218,8 +218,12 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
     `init_state()` with its shardings: (step_fn, abstract_state, state_shardings, batch_sharding).
     Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
     abstract = jax.eval_shape(init_state)
+    critic_cfg = step_lib.model_configs(cfg, model_cfg)[1]
     state_sh = sharding.state_shardings(
-        mesh, abstract, model_cfg, step_lib.model_configs(cfg, model_cfg)[1]
+        mesh,
+        abstract,
+        transformer.logical_axes(model_cfg),
+        None if critic_cfg is None else transformer.logical_axes(critic_cfg),
     )
     batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
     step_fn = jax.jit(

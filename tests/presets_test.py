@@ -159,7 +159,13 @@ _PROBE = textwrap.dedent(
         abstract = jax.eval_shape(
             lambda: step.init_state(cfg, mc, transformer.init_params(mc, key), key)
         )
-        sh = sharding.state_shardings(mesh, abstract, mc, step.model_configs(cfg, mc)[1])
+        critic = step.model_configs(cfg, mc)[1]
+        sh = sharding.state_shardings(
+            mesh,
+            abstract,
+            transformer.logical_axes(mc),
+            None if critic is None else transformer.logical_axes(critic),
+        )
         out["state"][preset] = {
             "mesh": dict(mesh.shape),
             "params": nbytes(abstract.params, sh.params),

@@ -140,7 +140,9 @@ def test_state_shardings_mirror_params_in_optimizer_states():
     )
     abstract = jax.eval_shape(init)
     mesh = sharding.make_mesh(shape=(2, 2, 2))
-    sh = sharding.state_shardings(mesh, abstract, policy_cfg, critic_cfg)
+    sh = sharding.state_shardings(
+        mesh, abstract, transformer.logical_axes(policy_cfg), transformer.logical_axes(critic_cfg)
+    )
     gate = P(None, "fsdp", "tensor")  # [layers, embed, mlp]
     adam = sh.opt_state[1][0]  # chain(clip_by_global_norm, adamw): ScaleByAdamState
     assert sh.params["layers"]["mlp"]["gate_proj"].spec == gate
@@ -157,8 +159,8 @@ def test_state_shardings_mirror_params_in_optimizer_states():
     rest = sh.replace(**dict.fromkeys(model_parts))  # step, kl_coef, key, ...: replicated
     assert {s.spec for s in jax.tree.leaves(rest)} == {P()}
     assert jax.tree.structure(sh) == jax.tree.structure(abstract)
-    with pytest.raises(ValueError, match="critic_cfg is None"):
-        sharding.state_shardings(mesh, abstract, policy_cfg)
+    with pytest.raises(ValueError, match="critic_axes is None"):
+        sharding.state_shardings(mesh, abstract, transformer.logical_axes(policy_cfg))
 
 
 def varied_reward(batch, response_ids, response_mask, *, eos_id):
@@ -180,7 +182,9 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
     batches = [task.train_batch(i, step_lib.prompts_per_step(cfg)) for i in range(2)]
 
     mesh = sharding.make_mesh(shape=(2, 2, 2))
-    state_sh = sharding.state_shardings(mesh, jax.eval_shape(init), model_cfg)
+    state_sh = sharding.state_shardings(
+        mesh, jax.eval_shape(init), transformer.logical_axes(model_cfg)
+    )
     batch_sh = sharding.batch_sharding(mesh, batch_size=step_lib.prompts_per_step(cfg))
     state = sharding.sharded_init(init, mesh, state_sh)()
     assert shard_shapes(state.params["embed"]) == {(44, 16)}  # vocab 88 / 2, hidden 32 / 2

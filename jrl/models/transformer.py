@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl import sharding
 from jrl.models import attention as attention_lib
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -233,6 +234,15 @@ def rope_inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
     return ROPE_SCALINGS[cfg.rope_scaling_type](inv_freq, cfg).astype(np.float32)
 
 
+def _activation(x, *last_axes):
+    """Pins an activation [B, L, ...] to rows over the batch mesh axes (data, fsdp) and its last
+    dims to `last_axes` (logical names; none: replicated), when traced under a mesh. Without
+    it XLA may follow FSDP-sharded weights and split activations on the hidden dim instead,
+    every device holding every row."""
+    spec = ("batch",) + (None,) * (x.ndim - 1 - len(last_axes)) + last_axes
+    return sharding.constrain(x, jax.sharding.PartitionSpec(*spec))
+
+
 def _param(module, name, shape, axes, cfg: ModelConfig, init=None):
     init = init or nn.initializers.normal(cfg.init_std)
     return module.param(
@@ -317,7 +327,7 @@ class Attention(nn.Module):
 
         def proj(name, heads, axes):
             w = _param(self, name, (h, heads, d), ("embed", axes, "head_dim"), cfg)
-            y = jnp.einsum("blh,hnd->blnd", x_BLH, w.astype(dt))
+            y = _activation(jnp.einsum("blh,hnd->blnd", x_BLH, w.astype(dt)), axes, None)
             if cfg.qkv_bias:
                 b = _param(
                     self, name + "_bias", (heads, d), (axes, "head_dim"), cfg, nn.initializers.zeros
@@ -391,7 +401,7 @@ class MLP(nn.Module):
         up = _param(self, "up_proj", (h, f), ("embed", "mlp"), cfg)
         down = _param(self, "down_proj", (f, h), ("mlp", "embed"), cfg)
         y = ACTIVATIONS[cfg.hidden_act](x @ gate.astype(dt)) * (x @ up.astype(dt))
-        return y @ down.astype(dt)
+        return _activation(y, "mlp") @ down.astype(dt)
 
 
 class Block(nn.Module):
@@ -420,7 +430,7 @@ class Block(nn.Module):
         m = MLP(cfg, name="mlp")(RMSNorm(cfg, name="post_attn_norm")(x))
         if cfg.sandwich_norms:
             m = RMSNorm(cfg, name="mlp_out_norm")(m)
-        return x + m, cache
+        return _activation(x + m), cache
 
 
 class Output(NamedTuple):
@@ -442,7 +452,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
-        x = jnp.take(embed, input_ids_BL, axis=0).astype(dt)
+        x = _activation(jnp.take(embed, input_ids_BL, axis=0).astype(dt))
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
         inv_freq, sliding = layer_inputs(cfg)
