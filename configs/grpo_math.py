@@ -111,6 +111,12 @@ def _hf_model(c, batch_size: int, mini_batch_size: int):
     c.actor.use_kl_loss = True  # KL loss to the frozen reference ...
     c.actor.kl_loss_coef = 0.001  # ... with verl's coefficient ...
     c.actor.kl_loss_type = "low_var_kl"  # ... and estimator
+    # Memory (python -m jrl.bench --memory gives the figures for a config; README "Will it fit?"):
+    c.model.remat = "block"  # keep only each decoder block's input for the backward
+    c.model.logits_chunk_size = 128  # log-probs 128 positions at a time: no [rows, L, 152k] logits
+    c.model.attention = "auto"  # cuDNN flash attention on GPUs, blockwise past 512 tokens on CPU
+    c.actor.ppo_micro_batch_size_per_device = 8  # rows per device per forward / backward
+    c.rollout.log_prob_micro_batch_size_per_device = 16  # rows per device per scoring forward
 
 
 def _qwen25(c):
@@ -167,29 +173,38 @@ def _qwen7(c):  # Qwen2.5-7B(-Instruct): 7.61B parameters (6.53B without the emb
 # heads would add two all-reduces per layer. State per device with the KL-loss reference (float32
 # params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
 # Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
-# are multiples of data x fsdp, so they split evenly. What bounds them is the step's largest activation: full-vocabulary (152k) float32
-# logits of every row on a device when old / reference log-probs are scored, about 0.47 GB per
-# row at GSM8K lengths (256 + 512 tokens); twice that for data=math.
+# are multiples of data x fsdp, so they split evenly. Activations no longer bound them (chunked
+# log-probs, block remat, micro-batches of the _hf_model settings): the figures in the comments
+# are `python -m jrl.bench --memory` peaks per device at GSM8K / MATH lengths (256 + 512 /
+# 512 + 1024 tokens), compiled for CPU host devices standing in for the chips. XLA:CPU computes
+# bfloat16 matmuls in float32 and keeps float32 copies of the weights it converts, so for these
+# bfloat16 models they are upper bounds.
 
 
 def _gpu8(c):  # one host with 8 GPUs (e.g. 8x H100 80 GB over NVLink)
     c.mesh.shape = (-1, 8, 1)  # FSDP over the 8 GPUs; data: 1 per host (more hosts, more data)
-    c.data.train_batch_size = 32  # 256 rows, 32 per GPU when scoring: ~15 GB of logits
-    c.actor.ppo_mini_batch_size = 8  # 64 rows, 8 per GPU through forward and backward
+    c.data.train_batch_size = 128  # 1024 rows, 128 per GPU in the rollout and when scoring
+    c.actor.ppo_mini_batch_size = 32  # 256 rows, 32 per GPU per update: 4 updates per step
+    # peak per GPU: 0.5B 7.8 / 13.4 GB, 1.5B 19.7 / 25.4 GB (GSM8K / MATH lengths) of 80 GB
 
 
 def _v4_8(c):  # one TPU v4 host: 4 chips (v4-8 counts TensorCores), 32 GiB HBM each
     c.mesh.shape = (-1, 4, 1)  # FSDP over the 4 chips; for 0.5B / 1.5B (7B's 122 GB of state
     # with a reference would leave no room on 4 x 32 GiB: take mesh=v5p-64)
-    c.data.train_batch_size = 8  # 64 rows, 16 per chip when scoring: ~7.5 GB of logits
-    c.actor.ppo_mini_batch_size = 4  # 32 rows, 8 per chip per update
+    c.data.train_batch_size = 64  # 512 rows, 128 per chip in the rollout and when scoring
+    c.actor.ppo_mini_batch_size = 16  # 128 rows, 32 per chip per update
+    # peak per chip: 0.5B 8.7 / 14.4 GB, 1.5B 22.9 / 28.5 GB (GSM8K / MATH lengths) of 34.4 GB
 
 
 def _v5p_64(c):  # a v5p-64 slice: 32 chips (64 TensorCores) on 8 hosts of 4, 95 GB HBM each
     c.mesh.shape = (-1, 4, 1)  # FSDP over a host's 4 chips (7B: 30 GB of state per chip),
     # data parallelism over the 8 hosts
-    c.data.train_batch_size = 64  # 512 rows, 16 per chip when scoring: ~7.5 GB of logits
+    c.data.train_batch_size = 64  # 512 rows, 16 per chip in the rollout and when scoring
     c.actor.ppo_mini_batch_size = 16  # 128 rows, 4 per chip per update: 4 updates per step
+    c.actor.ppo_micro_batch_size_per_device = 4  # the 4 rows of a chip at once
+    # peak per chip, 7B: 93.4 / 98.1 GB (GSM8K / MATH lengths) of 95 GB as upper bounds: the
+    # rollout holds the layers' weights gathered, which XLA:CPU counts in float32 (26 GB of it;
+    # 13 GB in bfloat16 on the chips). Not yet checked on a v5p.
 
 
 def _gsm8k(c):  # GSM8K from local files (--config.task.train_files=..., eval_files=...)

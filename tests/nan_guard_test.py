@@ -60,3 +60,27 @@ def test_guard_off_stops_at_the_first_bad_step(cfg, tmp_path):
     cfg.nan_guard.enable = False
     with pytest.raises(train.NonFiniteError, match=r"step 1: critic/score/mean is not finite"):
         train.run(cfg, str(tmp_path))
+
+
+def test_a_non_finite_loss_applies_no_update(monkeypatch):
+    """The reward and advantages are finite, the policy loss is not: the guard inside the
+    optimizer update keeps parameters and optimizer state, and the step counts as skipped."""
+    from jrl.algos import losses
+
+    def nan_loss(*, log_prob, aggregate, **_):
+        return aggregate(log_prob * jnp.nan), {}
+
+    monkeypatch.setitem(losses.POLICY_LOSSES, "nan_loss", nan_loss)
+    cfg = grpo_math.get_config("tiny")
+    cfg.actor.policy_loss = "nan_loss"
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    state = step_lib.init_state(
+        cfg, model_cfg, train.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
+    )
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+    new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
+    assert int(metrics["training/finite/critic/score/mean"]) == 1
+    assert int(metrics["training/finite/actor/pg_loss"]) == 0
+    assert int(metrics["training/step_skipped"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, before, (new.params, new.opt_state))
