@@ -178,6 +178,13 @@ def _check_matches(where: str, saved_meta: Mapping, abstract: Mapping) -> None:
     fix = "resume with the config the checkpoint was written with, or start a fresh --workdir"
     saved = dict(_walk(saved_meta))
     wanted = dict(_walk(abstract))
+    if any("layers_0" in names for names in saved) and any("layers" in n for n in wanted):
+        raise CheckpointError(
+            f"checkpoint {where} stores the decoder layers one by one (params/layers_0/...), as "
+            f"jrl did before it stacked them (params/layers/...); export it with the jrl version "
+            f"that wrote it (python -m jrl.export) and start from that directory with "
+            f"--config.model.hf_path, or start a fresh --workdir."
+        )
     for names, target in wanted.items():
         path = "/".join(names)
         if names not in saved:

@@ -64,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # master-weight dtype
     # Memory at long lengths (they change how the step is computed, not what):
     c.model.remat = "none"  # recompute in the backward: none | block (each decoder block) | dots
-    c.model.attention = "auto"  # auto | xla (materialised) | blockwise | cudnn (GPU); auto picks
+    c.model.attention = "auto"  # auto | xla | blockwise | cudnn (GPU) | splash (TPU); see attention.py
     c.model.attention_block_size = 512  # query positions per block of blockwise attention
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
 

@@ -265,6 +265,23 @@ def test_shape_mismatch_names_the_parameter_and_the_fix(tmp_path):
     assert (tmp_path / "checkpoints" / "1").is_dir()  # a mismatch is not corruption
 
 
+def test_a_checkpoint_with_per_layer_params_names_the_way_out(tmp_path):
+    """Checkpoints written before the decoder layers were stacked (params/layers_0/...)."""
+    with checkpointer(tmp_path) as ck:
+        ck.save(1, make_state(), {})
+
+    def stacked():
+        state = make_state()
+        params = {"embed": state.params["embed"], "layers": state.params["layers_0"]}
+        return state.replace(params=params, opt_state=jax.eval_shape(lambda: state.opt_state))
+
+    with checkpointer(tmp_path) as ck, pytest.raises(ckpt_lib.CheckpointError) as e:
+        ck.restore_latest(jax.eval_shape(stacked))
+    msg = str(e.value)
+    assert "\n" not in msg and "params/layers_0/" in msg
+    assert "python -m jrl.export" in msg and "--config.model.hf_path" in msg
+
+
 def test_missing_reference_is_an_error(tmp_path):
     with checkpointer(tmp_path) as ck:
         ck.save(1, make_state(), {})  # written without a reference
