@@ -282,18 +282,24 @@ def put(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
+def context_spec(logical: PartitionSpec, shape, rules: Rules = DEFAULT_RULES):
+    """The mesh PartitionSpec of an array of `shape` with logical axes `logical` under the mesh
+    in context (`jax.set_mesh`), each dim keeping only the mesh axes that divide it; None
+    without a mesh in context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    return _fit(mesh, logical_to_mesh(logical, rules), shape)
+
+
 def constrain(x, logical: PartitionSpec, rules: Rules = DEFAULT_RULES):
     """Inside a jitted function traced under `jax.set_mesh(mesh)`: pins `x` (an array or a tree
     of same-rank arrays, e.g. the KV cache) to its logical axes' mesh sharding, each dim keeping
     only the mesh axes that divide it. Without a mesh in context it returns `x` unchanged."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(
-            a, _fit(mesh, logical_to_mesh(logical, rules), a.shape)
-        ),
-        x,
+        lambda a: jax.lax.with_sharding_constraint(a, context_spec(logical, a.shape, rules)), x
     )
 
 

@@ -60,6 +60,19 @@ def test_logits_match_transformers_goldens(loaded, family):
     np.testing.assert_allclose(logits[REAL], want[REAL], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("implementation", ["blockwise", "splash"])
+def test_goldens_hold_on_every_attention_path_that_runs_here(loaded, implementation):
+    """Blockwise attention (query blocks of 5 over 12 positions) and the TPU splash kernel (in
+    the Pallas interpreter) give transformers' logits too: sliding windows (Mistral, Qwen2,
+    Gemma), soft-capping (Gemma 2), GQA and left padding included."""
+    for family in FAMILIES:
+        cfg, params, _ = loaded(family)
+        cfg = dataclasses.replace(cfg, attention=implementation, attention_block_size=5)
+        logits = np.asarray(jrl.models.forward(cfg, params, jnp.asarray(IDS), jnp.asarray(MASK)))
+        want = np.load(os.path.join(GOLDEN, family, "logits.npy"))
+        np.testing.assert_allclose(logits[REAL], want[REAL], atol=1e-4, rtol=0, err_msg=family)
+
+
 # Each family feature the goldens exercise: switching it off moves the logits far from them.
 ABLATIONS = [
     ("llama", {"rope_scaling_type": "default"}),

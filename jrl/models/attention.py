@@ -41,11 +41,11 @@ Implementations (`implementation=`; `resolve_implementation` says which one "aut
   * "splash": the Pallas TPU splash-attention kernel (causal / local mask, softcap, GQA; square
     blocks of `block_size` rounded up to a multiple of 128, at most L rounded up, L padded to a
     multiple of the block; q pre-multiplied by `scale` in float32, cast back). Off TPU it runs in
-    the Pallas interpreter (slow; for testing only). A Pallas call has no SPMD partitioning rule
-    (it would need a shard_map), so under a multi-device sharding XLA would replicate it, its
-    inputs gathered onto every device: "auto" picks it only when there is one TPU device.
-  * "auto": "cudnn" on a GPU backend when the inputs allow it, else "splash" on a single TPU
-    device, else "blockwise" when L > block_size, else "xla".
+    the Pallas interpreter (slow; for testing only). A Pallas call has no SPMD partitioning rule,
+    so under a mesh it runs per shard (`jax.shard_map`): rows over the batch axes, heads over
+    the tensor axis when both the query and the kv heads divide it.
+  * "auto": "cudnn" on a GPU backend when the inputs allow it, else "splash" on TPU, else
+    "blockwise" when L > block_size, else "xla".
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jrl import sharding
 
 IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
@@ -112,16 +115,31 @@ def causal_attention(
         if softcap is not None:
             raise ValueError("implementation='cudnn' has no attention logit softcap")
         return _jax_dot_product_attention(q_BLND, k_BLKD, v_BLKD, scale, sliding_window, "cudnn")
-    return _splash_attention(
-        q_BLND,
-        k_BLKD,
-        v_BLKD,
-        scale,
-        softcap,
-        sliding_window,
-        block_size,
+    splash = functools.partial(
+        _splash_attention,
+        scale=scale,
+        softcap=softcap,
+        window=sliding_window,
+        block_size=block_size,
         interpret=jax.default_backend() != "tpu",
     )
+    return _per_shard(splash, q_BLND, k_BLKD, v_BLKD)
+
+
+def _per_shard(fn, q, k, v):
+    """fn(q, k, v) on each device's shard when traced under a mesh (`jax.shard_map`): rows over
+    the batch mesh axes, heads over the tensor axis when both the query and the kv heads divide
+    it (else whole). A Pallas kernel has no partitioning rule of its own; without this XLA
+    would gather its inputs onto every device."""
+    q_spec = sharding.context_spec(P("batch", None, "heads", None), q.shape)
+    if q_spec is None:
+        return fn(q, k, v)
+    kv_spec = sharding.context_spec(P("batch", None, "kv_heads", None), k.shape)
+    if q_spec[2] != kv_spec[2]:  # one of them does not divide: keep every head on each device
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+    return jax.shard_map(
+        fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False
+    )(q, k, v)
 
 
 def resolve_implementation(
@@ -143,7 +161,7 @@ def resolve_implementation(
     backend = backend or jax.default_backend()
     if backend == "gpu" and _cudnn_supports(head_dim, dtype, softcap):
         return "cudnn"
-    if backend == "tpu" and jax.device_count() == 1:
+    if backend == "tpu":
         return "splash"
     return "blockwise" if seq_len > block_size else "xla"
 
@@ -237,7 +255,7 @@ def _jax_dot_product_attention(q, k, v, scale, window, implementation: str):
     )
 
 
-def _splash_attention(q, k, v, scale, softcap, window, block_size, *, interpret: bool):
+def _splash_attention(q, k, v, *, scale, softcap, window, block_size, interpret: bool):
     """The Pallas TPU splash kernel (`interpret=True`: the Pallas interpreter, any backend), with
     square blocks of min(block_size, L) rounded up to a multiple of 128 (the TPU lane width)."""
     _, l, n, _ = q.shape
