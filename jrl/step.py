@@ -60,6 +60,22 @@ def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
     return "values" in adv_lib.needs(cfg.algorithm.adv_estimator)
 
 
+def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
+    """Whether the update's own forward can stand in for the old-log-prob forward: one PPO epoch
+    over one mini-batch runs on exactly the parameters the rollout is scored with, so
+    old_log_prob = stop_gradient(log_prob) of the update's forward (TRL with num_iterations=1),
+    and the scoring forward of the policy is skipped. Not when something needs the old
+    log-probs before the update: KL in the reward, an estimator that reads them (GROUP-PPO), or
+    values from a value head on the policy's own forward."""
+    return (
+        cfg.actor.ppo_epochs == 1
+        and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
+        and not cfg.algorithm.use_kl_in_reward
+        and "old_log_prob" not in adv_lib.needs(cfg.algorithm.adv_estimator)
+        and not (needs_critic(cfg) and cfg.critic.share_backbone)
+    )
+
+
 def model_configs(cfg, model_cfg: transformer.ModelConfig):
     """(policy model config, separate critic model config or None). With
     `critic.share_backbone` the policy network carries the value head itself."""
@@ -126,10 +142,18 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
 
 
 def token_log_probs(
-    model_cfg, hidden_BLH, head, targets_BL, temperature: float = 1.0, with_entropy=False
+    model_cfg,
+    hidden_BLH,
+    head,
+    targets_BL,
+    temperature: float = 1.0,
+    with_entropy=False,
+    entropy_grad=True,
 ):
     """(log softmax(logits / T)[target] [B, L], entropy of softmax(logits / T) [B, L] or None),
-    float32, with logits = `transformer.lm_logits(hidden, head)`. With `logits_chunk_size` c set,
+    float32, with logits = `transformer.lm_logits(hidden, head)`. `entropy_grad=False`: the
+    entropy is a value only (a metric), no gradient flows through it, so the backward skips its
+    [B, L, V] work. With `logits_chunk_size` c set,
     the [B, L, V] logits never exist: positions go c at a time through a `lax.map` whose body is
     rematerialised, so the forward holds one chunk's [B, c, V] logits and the backward recomputes
     them chunk by chunk (the head's gradient accumulates over chunks)."""
@@ -143,6 +167,8 @@ def token_log_probs(
         logp = jnp.take_along_axis(logits, t_BC[..., None], -1)[..., 0] - log_z
         if not with_entropy:
             return logp, None
+        if not entropy_grad:
+            logits, log_z = jax.lax.stop_gradient((logits, log_z))
         p = jnp.exp(logits - log_z[..., None])  # H = log Z - sum_v p_v logit_v (finite logits)
         return logp, log_z - jnp.sum(p * logits, axis=-1)
 
@@ -170,10 +196,12 @@ def response_outputs(
     response_mask_BR,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> dict[str, jax.Array]:
     """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
     `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
-    `entropy` of that distribution (if asked), `values` = V(prompt, y_<t) (with a value head).
+    `entropy` of that distribution (if asked; without a gradient unless `entropy_grad`),
+    `values` = V(prompt, y_<t) (with a value head).
     Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`)."""
     p = prompt_ids_BP.shape[1]
     ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
@@ -182,7 +210,13 @@ def response_outputs(
     out = {}
     if head is not None:
         log_prob, entropy = token_log_probs(
-            model_cfg, hidden[:, p - 1 : -1], head, response_ids_BR, temperature, with_entropy
+            model_cfg,
+            hidden[:, p - 1 : -1],
+            head,
+            response_ids_BR,
+            temperature,
+            with_entropy,
+            entropy_grad,
         )
         out["log_prob"] = log_prob
         if with_entropy:
@@ -357,6 +391,7 @@ def make_phases(
     """
     actor, algo, roll_cfg, critic = cfg.actor, cfg.algorithm, cfg.rollout, cfg.critic
     micro = micro_batch_counts(cfg, mesh)
+    on_policy = on_policy_update(cfg)  # the update's forward gives the old log-probs
     n = roll_cfg.n
     b_p = cfg.data.train_batch_size
     _, critic_cfg = model_configs(cfg, model_cfg)
@@ -452,12 +487,15 @@ def make_phases(
             exp["response_mask"],
             roll_cfg.temperature,
             with_entropy,
+            entropy_grad=actor.entropy_coeff != 0,  # else the entropy is only a metric
         )
 
     def score_forwards(state: TrainState, rows: Batch) -> Batch:
-        """Old (and reference) log-probs and values of some rows."""
-        old = forward(model_cfg, state.params, rows)
-        out = {"old_log_prob": old["log_prob"]}
+        """Old (unless on-policy) and reference log-probs and values of some rows."""
+        out = {}
+        if not on_policy:
+            old = forward(model_cfg, state.params, rows)
+            out["old_log_prob"] = old["log_prob"]
         if use_ref:
             out["ref_log_prob"] = forward(model_cfg, state.ref_params, rows)["log_prob"]
         if use_critic:
@@ -497,7 +535,7 @@ def make_phases(
             index=jnp.arange(b, dtype=jnp.int32) // n,  # the prompt (group) of each row
             values=exp.get("values"),
             reward_baselines=exp.get("reward_baselines"),
-            old_log_prob=exp["old_log_prob"],
+            old_log_prob=exp.get("old_log_prob"),
             threshold=state.group_threshold,
             config=algo,
         )
@@ -516,9 +554,10 @@ def make_phases(
         """Policy loss (+ KL loss - entropy bonus) of a (micro-)batch from the forward `out`;
         `counts` normalise by the whole mini-batch (`losses.batch_counts`)."""
         mask = mb["response_mask"]
+        old_log_prob = jax.lax.stop_gradient(out["log_prob"]) if on_policy else mb["old_log_prob"]
         pg_loss, metrics = losses.policy_loss(
             actor.policy_loss,
-            old_log_prob=mb["old_log_prob"],
+            old_log_prob=old_log_prob,
             log_prob=out["log_prob"],
             advantages=mb["advantages"],
             response_mask=mask,
@@ -605,14 +644,8 @@ def make_phases(
         """`actor.ppo_epochs` passes of shuffled mini-batch updates. `ok` (the NaN guard: are
         the reward and advantages finite?) None: every update is applied; else an update is
         applied only if `ok` and it and every update before it in this step are finite."""
-        keys = [
-            "input_ids",
-            "attention_mask",
-            "response_ids",
-            "response_mask",
-            "old_log_prob",
-            "advantages",
-        ]
+        keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
+        keys += [] if on_policy else ["old_log_prob"]
         keys += ["ref_log_prob"] if use_ref else []
         keys += ["values", "returns", "critic_mask"] if use_critic else []
         data = {k: exp[k] for k in keys}

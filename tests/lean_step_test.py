@@ -315,3 +315,41 @@ def test_bench_memory_reports_one_json_line():
     assert (report["rows"], report["prompt_length"], report["response_length"]) == (16, 7, 4)
     # The train state is an argument: float32 params + Adam's two moments, at least.
     assert report["argument_bytes"] >= 3 * 4 * report["params"]
+
+
+def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(monkeypatch):
+    """One epoch over one mini-batch: the update's own forward gives the old log-probs (no
+    scoring forward of the policy); two steps give the parameters and metrics of the step that
+    scores them separately."""
+    from jrl import rewards
+
+    # Scores that differ within a group, so the advantages (and the old log-probs' role in the
+    # ratio) are not zero.
+    parity = lambda batch, ids, mask, eos_id: (jnp.sum(ids, -1) % 3).astype(jnp.float32)
+    monkeypatch.setitem(rewards.REWARDS, "parity", parity)
+    cfg = _tiny(**{"actor.ppo_mini_batch_size": 4, "actor.entropy_coeff": 0.01})
+    cfg.task.reward = "parity"
+    assert step_lib.on_policy_update(cfg)
+    assert not step_lib.on_policy_update(_tiny())  # two mini-batches per step
+    results = []
+    for shortcut in (True, False):
+        monkeypatch.setattr(step_lib, "on_policy_update", lambda c, s=shortcut: s)
+        tok, task, reward_fn, model_cfg = train.build(cfg)
+        phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task))
+        key = jax.random.key(0)
+        state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+        exp, _ = jax.jit(phases[0])(state, task.train_batch(0, 4), key)
+        scored, _, _ = jax.jit(phases[1])(state, exp)
+        assert ("old_log_prob" in scored) != shortcut
+        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+        metrics = []
+        for i in range(2):
+            state, m = step(state, task.train_batch(i, 4))
+            metrics.append(jax.device_get(m))
+        results.append((jax.device_get(state.params), metrics))
+    (got_params, got_metrics), (want_params, want_metrics) = results
+    assert abs(float(want_metrics[0]["critic/advantages/max"])) > 0.1
+    for got, want in zip(got_metrics, want_metrics):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params)

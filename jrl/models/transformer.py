@@ -380,13 +380,10 @@ def _masked_attention(q, kk, v, mask_BLS, cache_index, window, scale, cfg: Model
         kk, v, mask_BLS = kk[:, : cache_index + l], v[:, : cache_index + l], mask_BLS[..., : cache_index + l]
     if window is not None:
         mask_BLS = mask_BLS & sliding_window_mask(window, l, kk.shape[1], cache_index)[None]
-    dt = q.dtype
     q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, kk.astype(dt)).astype(jnp.float32) * scale
-    scores = softcap(scores, cfg.attn_logit_softcapping)
-    scores = jnp.where(mask_BLS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    return jnp.einsum("bkgls,bskd->blkgd", probs, v.astype(dt)).reshape(b, l, n, d)
+    bias = attention_lib.mask_bias(mask_BLS)[:, None, None]  # [B, 1, 1, L, S]
+    out = attention_lib.attend(q, kk, v, bias, scale, cfg.attn_logit_softcapping)
+    return out.reshape(b, l, n, d)
 
 
 class MLP(nn.Module):
@@ -400,8 +397,12 @@ class MLP(nn.Module):
         gate = _param(self, "gate_proj", (h, f), ("embed", "mlp"), cfg)
         up = _param(self, "up_proj", (h, f), ("embed", "mlp"), cfg)
         down = _param(self, "down_proj", (f, h), ("mlp", "embed"), cfg)
-        y = ACTIVATIONS[cfg.hidden_act](x @ gate.astype(dt)) * (x @ up.astype(dt))
-        return _activation(y, "mlp") @ down.astype(dt)
+        # Rows flattened to [B*L, H] around the matmuls: XLA:CPU fused the activation's backward
+        # into a 3-D dot's output and took a slow path (the MLP's backward ran at 2x the time).
+        x2 = x.reshape(-1, h)
+        y = ACTIVATIONS[cfg.hidden_act](x2 @ gate.astype(dt)) * (x2 @ up.astype(dt))
+        y = _activation(y.reshape(*x.shape[:-1], f), "mlp").reshape(-1, f)
+        return (y @ down.astype(dt)).reshape(x.shape)
 
 
 class Block(nn.Module):
