@@ -44,8 +44,8 @@ DEFAULT_RULES = (
     ("layers", None),  # the stacked decoder blocks' leading axis
 )
 
-# Logical names of a KV-cache entry [B, S, K, D] (jrl.models.transformer.init_cache).
-CACHE_AXES = PartitionSpec("batch", None, "kv_heads", "head_dim")
+# Logical names of a KV-cache entry [B, K, S, D] (jrl.models.transformer.init_cache).
+CACHE_AXES = PartitionSpec("batch", "kv_heads", None, "head_dim")
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -233,7 +233,7 @@ def batch_sharding(mesh: Mesh, batch_size: int | None = None, rules: Rules = DEF
 
 
 def cache_sharding(mesh: Mesh, shape: Sequence[int] | None = None, rules: Rules = DEFAULT_RULES):
-    """Sharding of a KV-cache entry [B, S, K, D]: rows over data + fsdp, kv heads over tensor.
+    """Sharding of a KV-cache entry [B, K, S, D]: rows over data + fsdp, kv heads over tensor.
     One sharding serves the whole cache (every layer's "k" and "v"); with `shape`, each dim keeps
     only the mesh axes that divide it."""
     spec = logical_to_mesh(CACHE_AXES, rules)

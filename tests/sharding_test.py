@@ -104,14 +104,14 @@ def test_non_divisible_dims_fall_back_to_replicated():
     assert sharding.batch_sharding(mesh222, batch_size=8).spec == P(("data", "fsdp"))
     assert sharding.batch_sharding(mesh222, batch_size=2).spec == P("data")
     assert sharding.batch_sharding(sharding.make_mesh(), batch_size=4).spec == P(None)
-    assert sharding.cache_sharding(mesh).spec == P(("data", "fsdp"), None, "tensor", None)
-    assert sharding.cache_sharding(mesh, (4, 10, 2, 8)).spec == P(
+    assert sharding.cache_sharding(mesh).spec == P(("data", "fsdp"), "tensor", None, None)
+    assert sharding.cache_sharding(mesh, (4, 2, 10, 8)).spec == P(
         ("data", "fsdp"), None, None, None
     )
     cache = jax.device_put(
-        transformer.init_cache(CFG, 8, 10), sharding.cache_sharding(mesh222, (8, 10, 2, 4))
+        transformer.init_cache(CFG, 8, 10), sharding.cache_sharding(mesh222, (8, 2, 10, 4))
     )
-    assert shard_shapes(cache[0]["k"]) == shard_shapes(cache[0]["v"]) == {(2, 10, 1, 4)}
+    assert shard_shapes(cache[0]["k"]) == shard_shapes(cache[0]["v"]) == {(2, 1, 10, 4)}
     with pytest.raises(ValueError, match="mesh axis 'model' but the mesh has axes"):
         sharding.named_sharding(mesh, P("embed"), (12,), (("embed", "model"),))
 
@@ -232,15 +232,15 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
 
 def test_constrain_pins_the_kv_cache_under_a_mesh_and_is_a_no_op_without():
     pin = jax.jit(lambda c: sharding.constrain(c, sharding.CACHE_AXES))
-    cache = transformer.init_cache(CFG, 8, 10)  # every layer's k / v: [8, 10, 2 kv heads, 4]
+    cache = transformer.init_cache(CFG, 8, 10)  # every layer's k / v: [8, 2 kv heads, 10, 4]
     mesh = sharding.make_mesh(shape=(2, 2, 2))
     with jax.set_mesh(mesh):
         pinned = pin(cache)
-    want = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    want = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), "tensor", None, None))
     for entry in jax.tree.leaves(pinned):
         assert entry.sharding.is_equivalent_to(want, 4)
-        assert shard_shapes(entry) == {(2, 10, 1, 4)}
+        assert shard_shapes(entry) == {(2, 1, 10, 4)}
     with jax.set_mesh(sharding.make_mesh(shape=(1, 2, 4))):  # 4 does not divide 2 kv heads
-        assert shard_shapes(pin(cache)[0]["k"]) == {(4, 10, 2, 4)}
+        assert shard_shapes(pin(cache)[0]["k"]) == {(4, 2, 10, 4)}
     free = pin(cache)  # no mesh in context: left to the compiler (one device here)
     assert len(free[0]["k"].sharding.device_set) == 1

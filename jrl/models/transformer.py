@@ -342,13 +342,11 @@ class Attention(nn.Module):
         q, kk = apply_rope(q, positions_BL, inv_freq), apply_rope(kk, positions_BL, inv_freq)
         v = proj("v_proj", k, "kv_heads")
         new_cache = None
-        if cache is not None:
-            kk = jax.lax.dynamic_update_slice(
-                cache["k"], kk.astype(cache["k"].dtype), (0, cache_index, 0, 0)
+        if cache is not None:  # head-major [B, K, S, D]: written at slot cache_index
+            write = lambda c, x: jax.lax.dynamic_update_slice(
+                c, x.astype(c.dtype).transpose(0, 2, 1, 3), (0, 0, cache_index, 0)
             )
-            v = jax.lax.dynamic_update_slice(
-                cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0)
-            )
+            kk, v = write(cache["k"], kk), write(cache["v"], v)
             new_cache = {"k": kk, "v": v}
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
@@ -371,18 +369,20 @@ class Attention(nn.Module):
         return jnp.einsum("blnd,ndh->blh", out, wo.astype(dt)), new_cache
 
 
-def _masked_attention(q, kk, v, mask_BLS, cache_index, window, scale, cfg: ModelConfig):
-    """Attention as `mask_BLS` [B, L, S] allows (rollout: prefill and decode over the KV cache).
-    A prefill from slot 0 (`cache_index` a Python int) attends only over the slots it fills."""
+def _masked_attention(q, k_BKSD, v_BKSD, mask_BLS, cache_index, window, scale, cfg: ModelConfig):
+    """Attention over the head-major KV cache [B, K, S, D] as `mask_BLS` [B, L, S] allows
+    (rollout: prefill and decode). A prefill from slot 0 (`cache_index` a Python int) attends
+    only over the slots it fills."""
     b, l, n, d = q.shape
-    k = kk.shape[2]
+    k = k_BKSD.shape[1]
     if isinstance(cache_index, int):
-        kk, v, mask_BLS = kk[:, : cache_index + l], v[:, : cache_index + l], mask_BLS[..., : cache_index + l]
+        s = cache_index + l
+        k_BKSD, v_BKSD, mask_BLS = k_BKSD[:, :, :s], v_BKSD[:, :, :s], mask_BLS[..., :s]
     if window is not None:
-        mask_BLS = mask_BLS & sliding_window_mask(window, l, kk.shape[1], cache_index)[None]
+        mask_BLS = mask_BLS & sliding_window_mask(window, l, k_BKSD.shape[2], cache_index)[None]
     q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
     bias = attention_lib.mask_bias(mask_BLS)[:, None, None]  # [B, 1, 1, L, S]
-    out = attention_lib.attend(q, kk, v, bias, scale, cfg.attn_logit_softcapping)
+    out = attention_lib.attend_head_major(q, k_BKSD, v_BKSD, bias, scale, cfg.attn_logit_softcapping)
     return out.reshape(b, l, n, d)
 
 
@@ -525,8 +525,9 @@ def lm_logits(cfg: ModelConfig, hidden, head):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[dict[str, Any], ...]:
-    """An empty KV cache: one {"k", "v"} of [B, S, K, D] per layer, in the compute dtype."""
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_size)
+    """An empty KV cache: one {"k", "v"} of [B, K, S, D] per layer (head-major, so decode
+    attention reads it without a transpose), in the compute dtype."""
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_size)
     zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return tuple({"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers))
 
