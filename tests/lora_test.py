@@ -2,6 +2,7 @@
 and export."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -98,3 +99,144 @@ def test_lora_config_errors():
         bad.lora[field] = value
         with pytest.raises(config_lib.ConfigError, match=words.replace("(", r"\(")):
             config_lib.validate(bad)
+
+
+def _grpo_lora_cfg():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import grpo_math
+
+    cfg = grpo_math.get_config("tiny")
+    cfg.lora.rank = 4
+    cfg.actor.use_kl_loss = True
+    cfg.actor.entropy_coeff = 0.01  # a gradient even when every reward is equal
+    return cfg
+
+
+def test_fused_step_trains_only_adapters_with_base_as_reference():
+    """Two fused steps (one trace): the base (also the KL reference) stays bitwise as it was,
+    every adapter matrix moves, the optimizer holds moments of the adapters only, and the score
+    phase's reference log-probs are the base model's."""
+    from jrl import step as step_lib
+    from jrl import train
+
+    cfg = _grpo_lora_cfg()
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    params = tfm.init_params(model_cfg, jax.random.key(0))
+    want_base = jax.tree.map(np.asarray, params)
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    ids = train.sampling_ids(tok, task)
+    traces = []
+    fused = step_lib.make_step(cfg, model_cfg, reward_fn, **ids)
+
+    @jax.jit
+    def step(state, batch):
+        traces.append(1)
+        return fused(state, batch)
+
+    start = state.params
+    for i in range(2):
+        state, metrics = step(state, task.train_batch(i, step_lib.prompts_per_step(cfg)))
+    assert len(traces) == 1
+    assert np.isfinite(float(metrics["actor/kl_loss"]))
+    jax.tree.map(np.testing.assert_array_equal, state.ref_params, want_base)
+    assert set(state.params) == {"lora"}
+    for before, after in zip(jax.tree.leaves(start), jax.tree.leaves(state.params)):
+        assert np.abs(np.asarray(after - before)).min() > 0  # every entry of A and B moved
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert moments == 2 * sum(x.size for x in jax.tree.leaves(state.params))  # Adam mu, nu
+
+    generate, score, _ = step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
+    exp, _ = generate(state, task.train_batch(5, 4), jax.random.key(2))
+    scored = jax.jit(lambda s, e: score(s, e)[0])(state, exp)
+    args = [exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")]
+    mask = np.asarray(exp["response_mask"])
+    base_logp = step_lib.response_logprobs(model_cfg, params, *args, cfg.rollout.temperature)
+    np.testing.assert_allclose(scored["ref_log_prob"] * mask, base_logp * mask, atol=1e-5)
+    assert np.abs(np.asarray(scored["old_log_prob"] - base_logp) * mask).max() > 1e-4
+
+
+def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
+    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 2
+    reaches step 3's metrics and state exactly; a changed base is refused in one line; the merged
+    export computes the adapted model's logits; the PEFT export has PEFT's names and shapes."""
+    import json
+    import shutil
+
+    import safetensors.numpy
+
+    from jrl import checkpoint as checkpoint_lib
+    from jrl import export as export_lib
+    from jrl import models, train
+    from jrl import step as step_lib
+    from jrl import tokenizer as tokenizer_lib
+
+    hf_dir = str(tmp_path / "base")
+    base_cfg = dataclasses.replace(CFG, vocab_size=96, tie_word_embeddings=True)
+    models.save_pretrained(
+        base_cfg,
+        tfm.init_params(base_cfg, jax.random.key(0)),
+        hf_dir,
+        tokenizer=tokenizer_lib.char_tokenizer(),
+    )
+    cfg = _grpo_lora_cfg()
+    cfg.model.hf_path, cfg.tokenizer, cfg.warmup.sft_steps = hf_dir, "", 0
+    cfg.checkpoint.every_steps, cfg.checkpoint.async_save, cfg.checkpoint.max_to_keep = 1, False, 0
+    first, second = str(tmp_path / "run"), str(tmp_path / "resumed")
+    train.run(cfg, first)
+    reference = os.path.join(first, checkpoint_lib.REFERENCE_DIR)
+    assert not os.path.exists(reference) or not os.listdir(reference)  # no base saved
+    shutil.copytree(first, second)
+    shutil.rmtree(os.path.join(second, "checkpoints", "3"))
+    train.run(cfg, second)  # resumes from step 2
+    rows = [
+        [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        for d in (first, second)
+    ]
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/thr"))}
+    assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+    _, policy_cfg = export_lib.policy_model(cfg)
+    base, want, _ = export_lib.restore_lora(first, cfg, policy_cfg)
+    _, got, _ = export_lib.restore_lora(second, cfg, policy_cfg)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+    changed = str(tmp_path / "changed")
+    shutil.copytree(hf_dir, changed)
+    hf_config = json.load(open(os.path.join(changed, "config.json")))
+    hf_config["rms_norm_eps"] = 1e-5
+    json.dump(hf_config, open(os.path.join(changed, "config.json"), "w"))
+    other = cfg.copy_and_resolve_references()
+    other.model.hf_path = changed
+    with pytest.raises(checkpoint_lib.CheckpointError, match="not the one the LoRA checkpoints"):
+        train.run(other, second)
+
+    merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+    export_lib.export(first, merged_dir)
+    export_lib.export(first, peft_dir, adapter_only=True)
+    merged_cfg, merged = models.load_pretrained(merged_dir)
+    full = lora.combine(base, want, lora.scale(cfg.lora))
+    adapted = _logits(policy_cfg, full)
+    np.testing.assert_allclose(_logits(merged_cfg, merged), adapted, atol=1e-5)
+    assert np.abs(np.asarray(adapted - _logits(policy_cfg, base))).max() > 1e-6  # it trained
+
+    peft_config = json.load(open(os.path.join(peft_dir, "adapter_config.json")))
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 4
+    assert peft_config["lora_alpha"] == 32.0 and peft_config["target_modules"] == list(lora.TARGETS)
+    tensors = safetensors.numpy.load_file(os.path.join(peft_dir, "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    prefix = "base_model.model.model.layers.1."
+    # PEFT: lora_A [r, in_features], lora_B [out_features, r] (HF q_proj: 32 -> 4 heads x 8).
+    assert tensors[prefix + "self_attn.q_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors[prefix + "self_attn.k_proj.lora_B.weight"].shape == (16, 4)
+    assert tensors[prefix + "self_attn.o_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, 48)
+    assert tensors[prefix + "mlp.up_proj.lora_B.weight"].shape == (48, 4)
+    # The same delta as PEFT computes it: W_hf + (alpha / r) B_peft A_peft [out, in].
+    a = tensors[prefix + "self_attn.q_proj.lora_A.weight"]
+    b = tensors[prefix + "self_attn.q_proj.lora_B.weight"]
+    merged_q = safetensors.numpy.load_file(os.path.join(merged_dir, "model.safetensors"))
+    base_q = safetensors.numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_allclose(merged_q[name], base_q[name] + 8.0 * b @ a, atol=1e-6)

@@ -30,6 +30,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from jax.sharding import PartitionSpec
 
 # Projection (Hugging Face's name) -> (jrl module inside a block, number of input dims of W).
@@ -189,6 +190,18 @@ def peft_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
         "inference_mode": True,
         "modules_to_save": None,
     }
+
+
+def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -> None:
+    """Writes `out_dir`/adapter_config.json and adapter_model.safetensors (PEFT's format)."""
+    os.makedirs(out_dir, exist_ok=True)
+    safetensors.numpy.save_file(
+        peft_tensors(trainable),
+        os.path.join(out_dir, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(lora_cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------- base identity
