@@ -17,7 +17,7 @@ import ml_collections
 from jrl import data, rewards
 from jrl.algos import advantages, group_ppo, kl, losses
 from jrl.data import math_data
-from jrl.models import attention, transformer
+from jrl.models import attention, lora, transformer
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -227,6 +227,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.max_to_keep = 3  # newest checkpoints kept under <workdir>/checkpoints; 0: keep all
     c.checkpoint.async_save = True  # write checkpoints in the background while training goes on
 
+    c.lora = ml_collections.ConfigDict()  # low-rank adapters on a frozen base (jrl/models/lora.py)
+    c.lora.rank = 0  # adapter rank r; 0: off, every parameter trains
+    c.lora.alpha = 32.0  # adapters add (alpha / r) x A B (PEFT's lora_alpha)
+    c.lora.target_modules = (  # adapted projections of every block (Hugging Face names)
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )
+    c.lora.dropout = 0.0  # dropout on the adapters' input; only 0 is supported
+
     c.warmup = ml_collections.ConfigDict()
     c.warmup.sft_steps = (
         0  # at most this many supervised steps on the task's answers before RL; 0: none
@@ -396,6 +404,31 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"nan_guard.max_consecutive={cfg.nan_guard.max_consecutive} must be >= 1.",
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")
+    _validate_lora(cfg.lora)
+
+
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
+    """lora.*: rank, alpha, target modules, dropout."""
+    _check(
+        isinstance(c.rank, int) and c.rank >= 0,
+        f"lora.rank={c.rank} must be an integer >= 0 (0: LoRA off).",
+    )
+    if not c.rank:
+        return
+    _check(c.alpha > 0, f"lora.alpha={c.alpha} must be > 0 (adapters scale by alpha / rank).")
+    names = [t.strip() for t in str(c.target_modules).split(",") if t.strip()]
+    _check(
+        bool(names),
+        "lora.target_modules is empty; name the projections to adapt, e.g. "
+        "--config.lora.target_modules=q_proj,v_proj.",
+    )
+    for name in names:
+        _choice("lora.target_modules entry", name, lora.TARGETS)
+    _check(
+        c.dropout == 0,
+        f"lora.dropout={c.dropout} is not supported (adapters train without dropout); set "
+        f"--config.lora.dropout=0.",
+    )
 
 
 def _validate_model(m: ml_collections.ConfigDict) -> None:

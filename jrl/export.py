@@ -1,13 +1,17 @@
 """Export a run's policy as a Hugging Face checkpoint.
 
   python -m jrl.export --workdir=DIR [--step=N] --out=HF_DIR [--overwrite] [--dtype=bfloat16]
+  python -m jrl.export --workdir=DIR --out=ADAPTER_DIR --adapter_only   # a LoRA run, PEFT format
 
 Reads the config the checkpoint was written with (`extra["config"]` of checkpoint N, else
 `DIR/config.json`; `--config=configs/X.py` replaces it), restores the policy params of checkpoint
 N (default: the newest one that reads back) and writes HF_DIR: config.json, model.safetensors, the
 tokenizer's files (the built-in character tokenizer too) and generation_config.json, which
 `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` and `jrl.models.load_pretrained` load.
-A value head (a critic sharing the policy's backbone) is left out. HF_DIR must be new or empty;
+A value head (a critic sharing the policy's backbone) is left out. A LoRA run exports its
+adapters merged into the base's weights, or with `--adapter_only` the adapters alone in PEFT's
+format (adapter_config.json + adapter_model.safetensors) for `peft.PeftModel.from_pretrained`
+and vLLM. HF_DIR must be new or empty;
 `--overwrite` replaces its contents. The export is written to a temporary directory next to
 HF_DIR and moved into place once complete.
 
@@ -36,6 +40,7 @@ from jrl import config as config_lib
 from jrl import models, train
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
+from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
 FLAGS = flags.FLAGS
@@ -132,31 +137,61 @@ def policy_model(cfg) -> tuple:
     return tok, model_cfg
 
 
-def abstract_state(cfg, model_cfg: transformer.ModelConfig) -> step_lib.TrainState:
+def abstract_state(
+    cfg, model_cfg: transformer.ModelConfig, with_base: bool = False
+) -> step_lib.TrainState:
     """The run's train state as shapes (as jrl.train.run makes it), without the reference
-    params (they are not needed to export or evaluate the policy)."""
+    params (they are not needed to export or evaluate the policy; `with_base`: with them, for
+    LoRA's frozen base)."""
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     state = jax.eval_shape(
         lambda: step_lib.init_state(
             cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
         )
     )
-    return state.replace(ref_params=None)
+    return state if with_base else state.replace(ref_params=None)
 
 
 def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None = None):
     """(policy params, step) of checkpoint `step` of `workdir`; default: the newest checkpoint
-    that reads back (unreadable newer ones are skipped with a warning)."""
+    that reads back (unreadable newer ones are skipped with a warning). A LoRA run's policy
+    comes back merged: W + (alpha / r) A B, in float32."""
+    if step_lib.lora_on(cfg):
+        base, trainable, step = restore_lora(workdir, cfg, model_cfg, step)
+        return lora_lib.merge(base, trainable, lora_lib.scale(cfg.lora), "float32"), step
+    state, _, step = _restore_state(workdir, cfg, model_cfg, step)
+    return state.params, step
+
+
+def restore_lora(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None = None):
+    """(frozen base, trainable params, step) of a LoRA run's checkpoint: the base from
+    model.hf_path (checked against the identity the checkpoint recorded) or, for a base made in
+    the run (the demo's warm-up), from the workdir's reference/."""
+    state, extra, step = _restore_state(workdir, cfg, model_cfg, step)
+    if train.lora_base_from_hf(cfg):
+        message = lora_lib.check_base(extra.get("lora_base") or {}, cfg.model.hf_path)
+        if message:
+            raise ExportError(message)
+        loaded = models.load_pretrained(cfg.model.hf_path, dtype=model_cfg.param_dtype)[1]
+        base, _ = lora_lib.split(loaded)
+    else:
+        with _checkpointer(workdir) as ckpt:
+            base = ckpt.restore_reference(abstract_state(cfg, model_cfg, with_base=True).ref_params)
+    return base, state.params, step
+
+
+def _restore_state(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None):
+    """(train state without its reference, extra, step) of checkpoint `step` (None: newest)."""
     check_step(workdir, step)
     target = abstract_state(cfg, model_cfg)
     with _checkpointer(workdir) as ckpt:
         if step is None:
-            state, _, step = ckpt.restore_latest(target)
+            state, extra, step = ckpt.restore_latest(target)
         else:
             where = str(ckpt.directory / str(step))
             try:
                 # Checkpointer has no public restore of a given step; this is restore_latest's.
-                state, _ = ckpt._restore_step(ckpt._manager, step, "state", target, where)
+                state, extra = ckpt._restore_step(ckpt._manager, step, "state", target, where)
             except checkpoint_lib.CheckpointError:
                 raise
             except Exception as e:
@@ -165,7 +200,7 @@ def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: 
                     f"checkpoint {where} does not read back ({type(e).__name__}: {first}); pick "
                     "another --step."
                 ) from e
-    return state.params, int(step)
+    return state, extra or {}, int(step)
 
 
 # ------------------------------------------------------------------------------ export
@@ -189,24 +224,37 @@ def export(
     overwrite: bool = False,
     dtype: str | None = None,
     cfg: ml_collections.ConfigDict | None = None,
+    adapter_only: bool = False,
 ) -> int:
     """Writes the policy of checkpoint `step` (default: newest readable) of `workdir` as a
-    Hugging Face checkpoint in `out_dir` (weights in `dtype`, default the model's param dtype).
+    Hugging Face checkpoint in `out_dir` (weights in `dtype`, default the model's param dtype;
+    a LoRA run's adapters merged into them). `adapter_only`: a LoRA run's adapters alone in
+    PEFT's format instead (adapter_config.json, adapter_model.safetensors in float32).
     `cfg` replaces the config saved in the workdir. Returns the exported step."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     _check_out(out_dir, overwrite)
     if cfg is None:
         cfg = load_config(workdir, step)
     config_lib.validate(cfg)
+    if adapter_only and not step_lib.lora_on(cfg):
+        raise ExportError(
+            f"--adapter_only exports LoRA adapters, but the run in {workdir} trained every "
+            "parameter (lora.rank=0); leave --adapter_only out to export its full weights."
+        )
     tok, model_cfg = policy_model(cfg)
-    # A value head (a critic sharing the backbone) is left out by save_pretrained.
-    params, step = restore_params(workdir, cfg, model_cfg, step)
+    if adapter_only:
+        _, trainable, step = restore_lora(workdir, cfg, model_cfg, step)
+    else:  # a value head (a critic sharing the backbone) is left out by save_pretrained
+        params, step = restore_params(workdir, cfg, model_cfg, step)
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     try:
-        models.save_pretrained(model_cfg, params, tmp, tokenizer=tok, dtype=dtype or None)
+        if adapter_only:
+            lora_lib.save_peft(tmp, trainable, cfg.lora, cfg.model.hf_path)
+        else:
+            models.save_pretrained(model_cfg, params, tmp, tokenizer=tok, dtype=dtype or None)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
@@ -225,6 +273,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the newest readable.")
     flags.DEFINE_string("out", None, "Output directory of the Hugging Face checkpoint.")
     flags.DEFINE_bool("overwrite", False, "Replace the contents of a non-empty --out.")
+    flags.DEFINE_bool(
+        "adapter_only",
+        False,
+        "A LoRA run: write only its adapters, in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors), instead of merged full weights.",
+    )
     flags.DEFINE_string(
         "dtype", "", "Weight dtype of the export (float32 | bfloat16); '': the model's."
     )
@@ -252,6 +306,7 @@ def main(argv) -> None:
             overwrite=FLAGS.overwrite,
             dtype=FLAGS.dtype or None,
             cfg=FLAGS.config,
+            adapter_only=FLAGS.adapter_only,
         )
     except ValueError as e:  # ExportError, CheckpointError, ConfigError, unsupported models
         _fail(str(e))

@@ -75,6 +75,7 @@ def generate(
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS."""
     model = transformer.Transformer(model_cfg)
     params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
+    variables = transformer.variables(params)
     b, p = prompt_ids_BP.shape
     r = max_new_tokens
     s = p + r
@@ -88,7 +89,7 @@ def generate(
     pin = lambda c: sharding.constrain(c, sharding.CACHE_AXES)
     cache = pin(transformer.init_cache(model_cfg, b, s))
     # Prefill: keys / values of every prompt token, logits only at the last one.
-    out = model.apply({"params": params}, prompt_ids_BP, positions_BP, prefill_mask, cache, 0)
+    out = model.apply(variables, prompt_ids_BP, positions_BP, prefill_mask, cache, 0)
     last_logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
     cache = pin(out.cache)
     first_pos_B = positions_BP[:, -1] + 1
@@ -116,7 +117,7 @@ def generate(
         key_valid = key_valid.at[:, p + t].set(True)
         step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
         out = model.apply(
-            {"params": params}, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
+            variables, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
         )
         logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
         return t + 1, logits, pin(out.cache), done, key_valid, ids, mask, logps

@@ -190,13 +190,16 @@ def state_shardings(
     policy_axes,
     critic_axes=None,
     rules: Rules = DEFAULT_RULES,
+    reference_axes=None,
 ):
     """Shardings of a whole `jrl.step.TrainState` (`abstract_state = jax.eval_shape(init)`).
 
     Policy and reference params by the policy's logical axes, critic params by the critic's,
     optimizer states mirroring their params (`mirror_shardings`); everything else (step, KL
     coefficient, PRNG key, fields added later) replicated. `policy_axes` / `critic_axes` are
-    `jrl.models.transformer.logical_axes` of the model configs of `jrl.step.model_configs`.
+    `jrl.models.transformer.logical_axes` of the model configs of `jrl.step.model_configs`;
+    `reference_axes` those of the reference params when they are another tree (LoRA's frozen
+    base; `jrl.step.state_axes` gives all three for a LoRA state).
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     out = jax.tree.map(lambda _: replicated, abstract_state)
@@ -206,7 +209,10 @@ def state_shardings(
         opt_state=mirror_shardings(mesh, abstract_state.opt_state, abstract_state.params, params),
     )
     if abstract_state.ref_params is not None:
-        out = out.replace(ref_params=params)
+        ref = params
+        if reference_axes is not None:
+            ref = param_shardings(mesh, abstract_state.ref_params, reference_axes, rules)
+        out = out.replace(ref_params=ref)
     if abstract_state.critic_params is not None:
         if critic_axes is None:
             raise ValueError(

@@ -30,6 +30,7 @@ from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
+from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
 Batch = dict[str, jax.Array]
@@ -44,7 +45,8 @@ class TrainState:
     opt_state: Any  # policy optimizer state
     critic_params: Any  # separate critic (None without a critic or with a shared backbone)
     critic_opt_state: Any  # its optimizer state (None likewise)
-    ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is used)
+    ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is
+    # used); with LoRA the frozen base, which is also the reference (adapters off)
     kl_coef: jax.Array  # float32 scalar: beta of KL-in-reward (its controller's state)
     group_threshold: jax.Array  # float32 scalar: GROUP-PPO's adaptive threshold tau
     skipped_steps: jax.Array  # int32 scalar: steps not applied because something was not finite
@@ -121,12 +123,16 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
     _, critic_cfg = model_configs(cfg, model_cfg)
     key, key_critic = jax.random.split(key)
     critic_params = critic_opt_state = None
-    if critic_cfg is not None:
-        head = transformer.init_params(critic_cfg, key_critic)
-        critic_params = {k: params.get(k, v) for k, v in head.items()}  # backbone from policy
-        critic_params = jax.tree_util.tree_map(jnp.copy, critic_params)
+    if lora_on(cfg):
+        params, critic_params, ref = init_lora(cfg, critic_cfg, params, key_critic)
+    else:
+        if critic_cfg is not None:
+            head = transformer.init_params(critic_cfg, key_critic)
+            critic_params = {k: params.get(k, v) for k, v in head.items()}  # backbone from policy
+            critic_params = jax.tree_util.tree_map(jnp.copy, critic_params)
+        ref = jax.tree_util.tree_map(jnp.copy, params) if needs_reference(cfg) else None
+    if critic_params is not None:
         critic_opt_state = make_optimizer(cfg.critic).init(critic_params)
-    ref = jax.tree_util.tree_map(jnp.copy, params) if needs_reference(cfg) else None
     return TrainState(
         step=jnp.int32(0),
         params=params,
@@ -139,6 +145,62 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
         skipped_steps=jnp.int32(0),
         key=key,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (jrl/models/lora.py): `params` / `critic_params` hold only what trains (adapters and value
+# heads, float32), `ref_params` the frozen base (model.dtype), shared by policy, critic and the
+# KL reference (the base with the adapters off). Without LoRA these are the identity.
+
+
+def lora_on(cfg) -> bool:
+    return bool(cfg.get("lora") and cfg.lora.rank)
+
+
+def init_lora(cfg, critic_cfg, params, key):
+    """(policy trainable, critic trainable or None, base) of a LoRA run starting from `params`."""
+    base, trainable = lora_lib.init_trainable(params, cfg.lora, jax.random.fold_in(key, 1))
+    critic = None
+    if critic_cfg is not None:  # its own adapters on the same base, and a fresh value head
+        _, head = lora_lib.split(transformer.init_params(critic_cfg, key))
+        _, critic = lora_lib.init_trainable(base, cfg.lora, jax.random.fold_in(key, 2))
+        critic.update(head)
+    return trainable, critic, base
+
+
+def _with_base(cfg, base, trainable):
+    """The full params of a model from its trainable part (see `init_lora`)."""
+    if not lora_on(cfg) or trainable is None:
+        return trainable
+    return lora_lib.combine(base, trainable, lora_lib.scale(cfg.lora))
+
+
+def policy_params(cfg, state: TrainState):
+    """The policy's full params (with LoRA: base + adapters)."""
+    return _with_base(cfg, state.ref_params, state.params)
+
+
+def reference_params(cfg, state: TrainState):
+    """The KL reference's params (with LoRA: the policy with its adapters off, no copy)."""
+    if not lora_on(cfg):
+        return state.ref_params
+    return lora_lib.reference(state.ref_params, state.params)
+
+
+def state_axes(cfg, abstract_state: TrainState, policy_axes, critic_axes=None) -> dict:
+    """`jrl.sharding.state_shardings`' logical axes of a train state, from the full models' axes
+    (`transformer.logical_axes`): with LoRA those of the trainable trees and of the base."""
+    if not lora_on(cfg):
+        return dict(policy_axes=policy_axes, critic_axes=critic_axes)
+    critic = abstract_state.critic_params
+    return dict(
+        policy_axes=lora_lib.trainable_axes(policy_axes, abstract_state.params),
+        critic_axes=None if critic is None else lora_lib.trainable_axes(critic_axes, critic),
+        reference_axes={k: policy_axes[k] for k in abstract_state.ref_params},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def token_log_probs(
@@ -474,8 +536,8 @@ def make_phases(
 
     def generate(state: TrainState, prompts: Batch, key):
         if filter_groups.enable:
-            return dynamic_sampling(state.params, prompts, key)
-        return rollout_and_reward(state.params, prompts, key), {}
+            return dynamic_sampling(policy_params(cfg, state), prompts, key)
+        return rollout_and_reward(policy_params(cfg, state), prompts, key), {}
 
     def forward(model, params, exp, with_entropy=False):
         return response_outputs(
@@ -494,13 +556,15 @@ def make_phases(
         """Old (unless on-policy) and reference log-probs and values of some rows."""
         out = {}
         if not on_policy:
-            old = forward(model_cfg, state.params, rows)
+            old = forward(model_cfg, policy_params(cfg, state), rows)
             out["old_log_prob"] = old["log_prob"]
         if use_ref:
-            out["ref_log_prob"] = forward(model_cfg, state.ref_params, rows)["log_prob"]
+            ref = forward(model_cfg, reference_params(cfg, state), rows)
+            out["ref_log_prob"] = ref["log_prob"]
         if use_critic:
+            critic_params = _with_base(cfg, state.ref_params, state.critic_params)
             out["values"] = (
-                old["values"] if shared else forward(critic_cfg, state.critic_params, rows)["values"]
+                old["values"] if shared else forward(critic_cfg, critic_params, rows)["values"]
             )
         return out
 
@@ -596,9 +660,10 @@ def make_phases(
         }
         return vf_loss, metrics
 
-    def actor_loss(params, mb, actor_on, counts):
-        """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains."""
-        out = forward(model_cfg, params, mb, with_entropy=True)
+    def actor_loss(params, mb, actor_on, counts, base):
+        """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains. `base`: the
+        frozen base under LoRA (`params` are then the adapters), else None."""
+        out = forward(model_cfg, _with_base(cfg, base, params), mb, with_entropy=True)
         loss, metrics = policy_terms(out, mb, counts["policy"])
         loss = actor_on * loss
         if shared:
@@ -607,8 +672,9 @@ def make_phases(
             metrics.update(vf_metrics)
         return loss, metrics
 
-    def critic_loss(critic_params, mb, counts):
-        return value_terms(forward(critic_cfg, critic_params, mb), mb, counts["value"])
+    def critic_loss(critic_params, mb, counts, base):
+        out = forward(critic_cfg, _with_base(cfg, base, critic_params), mb)
+        return value_terms(out, mb, counts["value"])
 
     def update_minibatch(carry, mb):
         """One optimizer update of the policy (and the critic) on a mini-batch. Under the NaN
@@ -618,15 +684,16 @@ def make_phases(
         counts = {"policy": losses.batch_counts(mb["response_mask"])}  # the whole mini-batch's
         if use_critic:
             counts["value"] = losses.batch_counts(mb["critic_mask"])
+        base = state.ref_params if lora_on(cfg) else None
         grads, metrics = accumulate_grads(
-            actor_loss, state.params, mb, micro["actor"], actor_on, counts
+            actor_loss, state.params, mb, micro["actor"], actor_on, counts, base
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics["actor/grad_norm"] = optax.tree.norm(grads)
         new = {"params": optax.apply_updates(state.params, updates), "opt_state": opt_state}
         if use_critic and not shared:
             grads, critic_metrics = accumulate_grads(
-                critic_loss, state.critic_params, mb, micro["critic"], counts
+                critic_loss, state.critic_params, mb, micro["critic"], counts, base
             )
             updates, critic_opt = critic_tx.update(
                 grads, state.critic_opt_state, state.critic_params

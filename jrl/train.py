@@ -39,6 +39,7 @@ from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
 from jrl import logging as metric_files
 from jrl.logging import MetricWriter, ProgressBar, to_python
+from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -95,16 +96,18 @@ def init_distributed() -> None:
 
 
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
-    """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`)."""
+    """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`).
+    With LoRA the frozen base is held in the compute dtype (`model.dtype`)."""
+    frozen = {"param_dtype": cfg.model.dtype} if step_lib.lora_on(cfg) else {}
     if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
         hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
         return dataclasses.replace(
-            hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}
+            hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
         )
     fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
     fields["head_dim"] = fields["head_dim"] or None
     vocab_size = cfg.model.get("vocab_size") or vocab_size  # 0: the tokenizer's size
-    return transformer.ModelConfig(vocab_size=vocab_size, **fields)
+    return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **frozen})
 
 
 def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shardings=None):
@@ -114,7 +117,7 @@ def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shar
     loaded = {}
     if cfg.model.hf_path:  # streamed tensor by tensor, each straight into its shards
         _, loaded = models.load_pretrained(
-            cfg.model.hf_path, dtype=cfg.model.param_dtype, shardings=shardings
+            cfg.model.hf_path, dtype=model_cfg.param_dtype, shardings=shardings
         )
 
     def init():  # only what the checkpoint lacks (XLA drops the rest of the computation)
@@ -219,12 +222,13 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
     Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
     abstract = jax.eval_shape(init_state)
     critic_cfg = step_lib.model_configs(cfg, model_cfg)[1]
-    state_sh = sharding.state_shardings(
-        mesh,
+    axes = step_lib.state_axes(
+        cfg,
         abstract,
         transformer.logical_axes(model_cfg),
         None if critic_cfg is None else transformer.logical_axes(critic_cfg),
     )
+    state_sh = sharding.state_shardings(mesh, abstract, **axes)
     batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
     step_fn = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **ids, mesh=mesh),
@@ -233,6 +237,28 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
         donate_argnums=0,
     )
     return step_fn, abstract, state_sh, batch_sh
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA on a Hugging Face checkpoint: the frozen base is not saved with the run; checkpoints hold
+# the trainable state and the base's identity, and a resume reloads the base from model.hf_path.
+
+
+def lora_base_from_hf(cfg) -> bool:
+    return step_lib.lora_on(cfg) and bool(cfg.model.hf_path)
+
+
+def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
+    """`state` with its frozen base loaded from model.hf_path; CheckpointError (one line) when
+    that is not the base the checkpoint was trained on."""
+    message = lora_lib.check_base(extra.get("lora_base") or {}, cfg.model.hf_path)
+    if message:
+        raise checkpoint_lib.CheckpointError(message)
+    base, _ = lora_lib.split(initial_params(cfg, model_cfg, key, mesh, params_sh))
+    return state.replace(ref_params=base)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
@@ -330,11 +356,14 @@ def run(cfg, workdir: str) -> dict:
     batch_size = step_lib.prompts_per_step(cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
     my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
-    resumed = ckpt.restore_latest(
-        jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
-        )
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
     )
+    base_from_hf = lora_base_from_hf(cfg)
+    resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
+    params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
+    if step_lib.lora_on(cfg):
+        params_sh = step_lib.reference_params(cfg, state_sh)
     if resumed is None:
         if cfg.warmup.sft_steps:  # the small demo model, warmed up on each host, then placed
             params = initial_params(cfg, model_cfg, key_init)
@@ -346,12 +375,14 @@ def run(cfg, workdir: str) -> dict:
                 time.perf_counter() - t0,
                 acc,
             )
-            params = sharding.put(jax.device_get(params), state_sh.params)
+            params = sharding.put(jax.device_get(params), params_sh)
         else:  # straight into the shards: no host holds the whole model
-            params = initial_params(cfg, model_cfg, key_init, mesh, state_sh.params)
+            params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
         state, start = sharding.sharded_init(init, mesh, state_sh)(params), 0
     else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
         state, extra, start = resumed
+        if base_from_hf:
+            state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
         logging.info("resumed from %s at step %d", ckpt.directory, start)
         if main_process:
             metric_files.trim_metrics(workdir, start)
@@ -360,30 +391,34 @@ def run(cfg, workdir: str) -> dict:
             os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)
         )
     eval_fn = jax.jit(
-        evaluate_fn, in_shardings=(state_sh.params, replicated), out_shardings=replicated
+        lambda state, batch: evaluate_fn(step_lib.policy_params(cfg, state), batch),
+        in_shardings=(state_sh, replicated),
+        out_shardings=replicated,
     )
     eval_batch = sharding.put(task.eval_batch(), replicated)
 
-    def evaluate(params):
+    def evaluate(state):
         with jax.set_mesh(mesh):  # traced under the mesh: the KV cache is pinned to it
-            return to_python(eval_fn(params, eval_batch))
+            return to_python(eval_fn(state, eval_batch))
 
     writer = MetricWriter(workdir, enabled=main_process)
     bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
     if resumed is None:
-        metrics = evaluate(state.params)
+        metrics = evaluate(state)
         first_accuracy = metrics["val/accuracy"]
         writer.write(0, {**metrics, **long_prompts})
         bar.write(f"step 0: val/accuracy {first_accuracy:.3f}")
     else:
         first_accuracy = extra["val/accuracy_first"]
-        metrics = evaluate(state.params) if start >= cfg.total_steps else {}
+        metrics = evaluate(state) if start >= cfg.total_steps else {}
     config_json = json.loads(cfg.to_json_best_effort())
     extra = lambda done: {
         "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
         "val/accuracy_first": first_accuracy,
         "config": config_json,
+        **({"lora_base": lora_lib.base_identity(cfg.model.hf_path)} if base_from_hf else {}),
     }
+    saved = lambda state: state.replace(ref_params=None) if base_from_hf else state
     consecutive_skips = 0
     with checkpoint_lib.PreemptionGuard() as guard:
         for i in range(start, cfg.total_steps):
@@ -398,20 +433,20 @@ def run(cfg, workdir: str) -> dict:
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
             done = i + 1
             if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-                metrics.update(evaluate(state.params))
+                metrics.update(evaluate(state))
                 bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
             writer.write(done, metrics)
             bar.update(metrics)
             consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
-            if ckpt.maybe_save(done, state, extra(done)):
+            if ckpt.maybe_save(done, saved(state), extra(done)):
                 writer.flush()  # a resumed run does not redo the rows up to a checkpoint
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
-                ckpt.save(done, state, extra(done))
+                ckpt.save(done, saved(state), extra(done))
                 ckpt.close()
                 bar.close()
                 writer.close()
                 raise checkpoint_lib.Preempted(done)
-    ckpt.save(cfg.total_steps, state, extra(cfg.total_steps))  # no-op if already saved
+    ckpt.save(cfg.total_steps, saved(state), extra(cfg.total_steps))  # no-op if already saved
     ckpt.close()
     bar.close()
     writer.close()

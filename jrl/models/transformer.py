@@ -243,6 +243,21 @@ def _activation(x, *last_axes):
     return sharding.constrain(x, jax.sharding.PartitionSpec(*spec))
 
 
+def _adapter(module, name: str, x, num_in: int):
+    """x @ A @ B of projection `name`'s LoRA adapter (variable collection "lora", see
+    `jrl.models.lora`: A [*in, r], B [r, *out], B already scaled by alpha / r), contracting the
+    last `num_in` dims of x; None when the projection has no adapter (the base alone)."""
+    if not module.has_variable("lora", name):
+        return None
+    adapter = module.get_variable("lora", name)
+    h = jnp.tensordot(x, adapter["a"].astype(x.dtype), num_in)
+    return jnp.tensordot(h, adapter["b"].astype(x.dtype), 1)
+
+
+def _plus(y, delta):
+    return y if delta is None else y + delta
+
+
 def _param(module, name, shape, axes, cfg: ModelConfig, init=None):
     init = init or nn.initializers.normal(cfg.init_std)
     return module.param(
@@ -327,7 +342,8 @@ class Attention(nn.Module):
 
         def proj(name, heads, axes):
             w = _param(self, name, (h, heads, d), ("embed", axes, "head_dim"), cfg)
-            y = _activation(jnp.einsum("blh,hnd->blnd", x_BLH, w.astype(dt)), axes, None)
+            y = jnp.einsum("blh,hnd->blnd", x_BLH, w.astype(dt))
+            y = _activation(_plus(y, _adapter(self, name, x_BLH, 1)), axes, None)
             if cfg.qkv_bias:
                 b = _param(
                     self, name + "_bias", (heads, d), (axes, "head_dim"), cfg, nn.initializers.zeros
@@ -366,7 +382,8 @@ class Attention(nn.Module):
             )
         out = _by_kind(cfg, sliding, attend)
         wo = _param(self, "o_proj", (n, d, h), ("heads", "head_dim", "embed"), cfg)
-        return jnp.einsum("blnd,ndh->blh", out, wo.astype(dt)), new_cache
+        y = jnp.einsum("blnd,ndh->blh", out, wo.astype(dt))
+        return _plus(y, _adapter(self, "o_proj", out, 2)), new_cache
 
 
 def _masked_attention(q, k_BKSD, v_BKSD, mask_BLS, cache_index, window, scale, cfg: ModelConfig):
@@ -400,9 +417,10 @@ class MLP(nn.Module):
         # Rows flattened to [B*L, H] around the matmuls: XLA:CPU fused the activation's backward
         # into a 3-D dot's output and took a slow path (the MLP's backward ran at 2x the time).
         x2 = x.reshape(-1, h)
-        y = ACTIVATIONS[cfg.hidden_act](x2 @ gate.astype(dt)) * (x2 @ up.astype(dt))
+        proj = lambda name, w, v: _plus(v @ w.astype(dt), _adapter(self, name, v, 1))
+        y = ACTIVATIONS[cfg.hidden_act](proj("gate_proj", gate, x2)) * proj("up_proj", up, x2)
         y = _activation(y.reshape(*x.shape[:-1], f), "mlp").reshape(-1, f)
-        return (y @ down.astype(dt)).reshape(x.shape)
+        return proj("down_proj", down, y).reshape(x.shape)
 
 
 class Block(nn.Module):
@@ -464,7 +482,7 @@ class Transformer(nn.Module):
             block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
             layers = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "lora": 0},
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
@@ -473,12 +491,18 @@ class Transformer(nn.Module):
             x, _ = layers(cfg, name="layers")(x, (inv_freq, sliding), positions_BL, mask_BLS)
         else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
             layers = self.variables["params"]["layers"]
+            adapters = self.variables.get("lora", {}).get("layers")
             if not isinstance(layers, (list, tuple)):  # stacked; see `unstack_layers`
-                layers = unstack_layers(cfg, {"layers": layers}, cast=False)["layers"]
+                stacked = {"layers": layers, "lora": {"layers": adapters}}
+                unstacked = unstack_layers(cfg, stacked, cast=False)
+                layers, adapters = unstacked["layers"], unstacked["lora"]["layers"]
             new_cache = []
             for i in range(cfg.num_layers):
+                block_vars = {"params": layers[i]}
+                if adapters is not None:
+                    block_vars["lora"] = adapters[i]
                 x, c = Block(cfg).apply(
-                    {"params": layers[i]},
+                    block_vars,
                     x,
                     (inv_freq[i], bool(sliding[i])),
                     positions_BL,
@@ -508,14 +532,25 @@ def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
     """`params` with the stacked blocks split into a list of per-layer trees, matrices cast to
     the compute dtype with `cast` (1-D norm scales stay as stored). The rollout does this once,
     before its decode loop, so the loop reads each layer's weights where they lie instead of
-    slicing (and, on some backends, copying) them from the stack at every token."""
+    slicing (and, on some backends, copying) them from the stack at every token. A LoRA
+    adapter tree (`params["lora"]["layers"]`, see `variables`) is split the same way."""
     dt = jnp.dtype(cfg.dtype)
     layer = lambda a, i: a[i].astype(dt) if cast and a.ndim > 2 else a[i]
-    stacked = params["layers"]
-    return {
-        **params,
-        "layers": [jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)],
-    }
+    split = lambda stacked: [
+        jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)
+    ]
+    out = {**params, "layers": split(params["layers"])}
+    if params.get("lora", {}).get("layers") is not None:
+        out["lora"] = {**params["lora"], "layers": split(params["lora"]["layers"])}
+    return out
+
+
+def variables(params) -> dict:
+    """The Flax variables of `Transformer.apply` for `params`: a "lora" entry (adapters, see
+    `jrl.models.lora.combine`) goes into the "lora" collection, the rest into "params"."""
+    if "lora" not in params:
+        return {"params": params}
+    return {"params": {k: v for k, v in params.items() if k != "lora"}, "lora": params["lora"]}
 
 
 def lm_logits(cfg: ModelConfig, hidden, head):
@@ -571,7 +606,7 @@ def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL) -> O
     back = (jnp.arange(l)[None] - start_B[:, None]) % l  # input position s <- aligned slot
     ids = jnp.take_along_axis(input_ids_BL, aligned, axis=1)
     mask = jnp.take_along_axis(attention_mask_BL, aligned, axis=1)
-    out = Transformer(cfg).apply({"params": params}, ids, positions_from_mask(mask))
+    out = Transformer(cfg).apply(variables(params), ids, positions_from_mask(mask))
     hidden = jnp.take_along_axis(out.hidden, back[..., None], axis=1)
     values = None if out.values is None else jnp.take_along_axis(out.values, back, axis=1)
     return out._replace(hidden=hidden, values=values)

@@ -1,0 +1,237 @@
+"""LoRA: low-rank adapters trained on a frozen base model.
+
+A targeted projection W of every decoder block (q/k/v/o_proj, gate/up/down_proj, Hugging Face's
+names) computes x W + (alpha / r) (x A) B. In jrl's layouts, with the base's stacked [L] axis:
+
+    W [L, *in, *out]    A [L, *in, r]    B [L, r, *out]
+
+(q_proj W [L, H, N, D]: in (H,), out (N, D); o_proj W [L, N, D, H]: in (N, D), out (H,); the
+MLP's are 2-D per layer). A starts as PEFT's does (uniform in +-1/sqrt(fan_in)), B at zero, so
+the adapted model starts exactly at the base.
+
+The trees:
+  base       the model's params without its value head: frozen, in `model.dtype`
+  trainable  {"lora": adapters, **heads}: adapters {"layers": {"attn" | "mlp": {name: {"a",
+             "b"}}}} in float32, plus the value head of a model that has one (trained fully)
+  combine(base, trainable, scale) -> the params the model takes: base and heads, and "lora"
+             with B scaled by alpha / r (`transformer.variables` routes it to the adapters)
+  reference(base, trainable) -> the same model with the adapters off (the KL reference)
+
+`merge` folds the adapters into full weights (export); `peft_tensors` / `peft_config` write them
+in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from jax.sharding import PartitionSpec
+
+# Projection (Hugging Face's name) -> (jrl module inside a block, number of input dims of W).
+TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("attn", 1),
+    "k_proj": ("attn", 1),
+    "v_proj": ("attn", 1),
+    "o_proj": ("attn", 2),
+    "gate_proj": ("mlp", 1),
+    "up_proj": ("mlp", 1),
+    "down_proj": ("mlp", 1),
+}
+# Hugging Face's module path of each jrl block module (PEFT names adapters by it).
+_HF_MODULE = {"attn": "self_attn", "mlp": "mlp"}
+# Params trained in full next to the adapters (a value head on the policy or the critic).
+HEAD_KEYS = ("value_head", "value_head_bias")
+
+
+def target_list(target_modules: str) -> list[str]:
+    """`lora.target_modules` ("q_proj,v_proj") as a list, in TARGETS order."""
+    names = {t.strip() for t in target_modules.split(",") if t.strip()}
+    return [t for t in TARGETS if t in names]
+
+
+def scale(lora_cfg) -> float:
+    """alpha / rank (PEFT's scaling without rsLoRA)."""
+    return lora_cfg.alpha / lora_cfg.rank
+
+
+def split(params) -> tuple[dict, dict]:
+    """(base, heads): the params without / only the value head (HEAD_KEYS)."""
+    base = {k: v for k, v in params.items() if k not in HEAD_KEYS}
+    return base, {k: v for k, v in params.items() if k in HEAD_KEYS}
+
+
+def init_adapters(base, targets, rank: int, key) -> dict:
+    """Adapters of `targets` (HF names) on the stacked blocks of `base`: A uniform in
+    +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero; float32."""
+    out: dict = {}
+    for i, name in enumerate(targets):
+        module, num_in = TARGETS[name]
+        w = base["layers"][module][name]
+        layers, shape_in, shape_out = w.shape[0], w.shape[1 : 1 + num_in], w.shape[1 + num_in :]
+        bound = 1.0 / math.sqrt(math.prod(shape_in))
+        a = jax.random.uniform(
+            jax.random.fold_in(key, i), (layers, *shape_in, rank), jnp.float32, -bound, bound
+        )
+        b = jnp.zeros((layers, rank, *shape_out), jnp.float32)
+        out.setdefault(module, {})[name] = {"a": a, "b": b}
+    return {"layers": out}
+
+
+def init_trainable(params, lora_cfg, key) -> tuple[dict, dict]:
+    """(frozen base, trainable) of a model's `params` under `lora_cfg` (`cfg.lora`)."""
+    base, heads = split(params)
+    adapters = init_adapters(base, target_list(lora_cfg.target_modules), lora_cfg.rank, key)
+    return base, {"lora": adapters, **heads}
+
+
+def _scaled(adapters, s: float):
+    return jax.tree.map(
+        lambda ab: {"a": ab["a"], "b": ab["b"] * s}, adapters,
+        is_leaf=lambda x: isinstance(x, dict) and "a" in x,
+    )
+
+
+def combine(base, trainable, s: float):
+    """The params the model takes: `base`, the heads and the adapters (B scaled by `s` = alpha
+    / rank). `base` None: `trainable` is the whole model already (no LoRA)."""
+    if base is None:
+        return trainable
+    out = {**base, **trainable}
+    out["lora"] = _scaled(trainable["lora"], s)
+    return out
+
+
+def reference(base, trainable):
+    """The adapted model with its adapters off: the base (and the heads). No copy is made."""
+    return {**base, **{k: v for k, v in trainable.items() if k != "lora"}}
+
+
+def _deltas(adapters, s: float):
+    """{(module, name): s * A @ B} [L, *in, *out] in float32."""
+    out = {}
+    for module, names in adapters["layers"].items():
+        for name, ab in names.items():
+            a, b = ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32)
+            r = a.shape[-1]
+            d = a.reshape(a.shape[0], -1, r) @ b.reshape(b.shape[0], r, -1)
+            out[(module, name)] = (s * d).reshape(*a.shape[:-1], *b.shape[2:])
+    return out
+
+
+def merge(base, trainable, s: float, dtype=None):
+    """Full params with the adapters folded in: W + s * A @ B (summed in float32, stored in
+    `dtype`, default the base weight's dtype), plus the heads."""
+    layers = {m: dict(v) for m, v in base["layers"].items()}
+    for (module, name), delta in _deltas(trainable["lora"], s).items():
+        w = layers[module][name]
+        layers[module][name] = (w.astype(jnp.float32) + delta).astype(dtype or w.dtype)
+    return {**reference(base, trainable), "layers": layers}
+
+
+def trainable_axes(base_axes, trainable) -> dict:
+    """Logical axes of a trainable tree, from the base model's (`transformer.logical_axes`):
+    A keeps W's input axes, B its output axes (the rank dim unsharded), heads their own."""
+    out = {k: base_axes[k] for k in trainable if k != "lora"}
+    adapters = {}
+    for module, names in trainable["lora"]["layers"].items():
+        for name in names:
+            spec = tuple(base_axes["layers"][module][name])
+            num_in = TARGETS[name][1]
+            adapters.setdefault(module, {})[name] = {
+                "a": PartitionSpec(*spec[: 1 + num_in], None),
+                "b": PartitionSpec(spec[0], None, *spec[1 + num_in :]),
+            }
+    out["lora"] = {"layers": adapters}
+    return out
+
+
+# ----------------------------------------------------------------------------- PEFT format
+
+
+def peft_tensors(trainable) -> dict[str, np.ndarray]:
+    """The adapters under PEFT's tensor names and layouts (float32, unscaled: PEFT applies
+    alpha / r itself): `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
+    [r, in_features] and `...lora_B.weight` [out_features, r]."""
+    tensors = {}
+    for module, names in trainable["lora"]["layers"].items():
+        for name, ab in names.items():
+            a, b = np.asarray(jax.device_get(ab["a"])), np.asarray(jax.device_get(ab["b"]))
+            r = a.shape[-1]
+            for i in range(a.shape[0]):
+                prefix = f"base_model.model.model.layers.{i}.{_HF_MODULE[module]}.{name}"
+                a_i = a[i].reshape(-1, r).T  # [r, in]
+                b_i = b[i].reshape(r, -1).T  # [out, r]
+                tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_i, np.float32)
+                tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_i, np.float32)
+    return tensors
+
+
+def peft_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
+    """PEFT's `adapter_config.json` of a LoRA adapter trained with `lora_cfg`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or None,
+        "r": int(lora_cfg.rank),
+        "lora_alpha": float(lora_cfg.alpha),
+        "lora_dropout": float(lora_cfg.dropout),
+        "target_modules": target_list(lora_cfg.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -> None:
+    """Writes `out_dir`/adapter_config.json and adapter_model.safetensors (PEFT's format)."""
+    os.makedirs(out_dir, exist_ok=True)
+    safetensors.numpy.save_file(
+        peft_tensors(trainable),
+        os.path.join(out_dir, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(lora_cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- base identity
+
+
+def base_identity(hf_path: str) -> dict:
+    """What a LoRA checkpoint records of its base: `hf_path` and a fingerprint (sha256 of the
+    checkpoint's config.json and the names and sizes of its weight files)."""
+    digest = hashlib.sha256()
+    with open(os.path.join(hf_path, "config.json"), "rb") as f:
+        digest.update(f.read())
+    sizes = {
+        name: os.path.getsize(os.path.join(hf_path, name))
+        for name in sorted(os.listdir(hf_path))
+        if name.endswith((".safetensors", ".safetensors.index.json"))
+    }
+    digest.update(json.dumps(sizes, sort_keys=True).encode())
+    return {"hf_path": os.path.abspath(hf_path), "fingerprint": digest.hexdigest()[:16]}
+
+
+def check_base(saved: dict, hf_path: str) -> str | None:
+    """None when `hf_path` is the base a checkpoint recorded (`base_identity`), else a one-line
+    message naming the difference and the fix."""
+    now = base_identity(hf_path)
+    if now["fingerprint"] == saved.get("fingerprint"):
+        return None
+    return (
+        f"the base model at {hf_path} is not the one the LoRA checkpoints were trained on "
+        f"({saved.get('hf_path')}, fingerprint {saved.get('fingerprint')}; now "
+        f"{now['fingerprint']}); point --config.model.hf_path at that base, or start a fresh "
+        f"--workdir."
+    )
+

@@ -1,0 +1,242 @@
+"""LoRA: adapters on a frozen base (jrl/models/lora.py), in the model, the fused step, checkpoints
+and export."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jrl import config as config_lib
+from jrl import rollout
+from jrl.models import lora
+from jrl.models import transformer as tfm
+
+CFG = tfm.ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=48, num_heads=4)
+CFG = dataclasses.replace(CFG, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=False)
+LORA = ml_collections.ConfigDict(
+    dict(rank=4, alpha=8.0, target_modules=",".join(lora.TARGETS), dropout=0.0)
+)
+IDS = np.array([[0, 0, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9]])
+MASK = (np.arange(7)[None] >= np.array([[2], [0]])).astype(np.int32)
+
+
+def _logits(cfg, params):
+    return tfm.apply_full(cfg, params, jnp.asarray(IDS), jnp.asarray(MASK))[0]
+
+
+def _moved(trainable, key):
+    """`trainable` with random B (a trained adapter; B starts at zero)."""
+    leaves, tree = jax.tree.flatten(trainable["lora"])
+    keys = jax.random.split(key, len(leaves))
+    leaves = [0.05 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    return {**trainable, "lora": jax.tree.unflatten(tree, leaves)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = tfm.init_params(CFG, jax.random.key(0))
+    base, trainable = lora.init_trainable(params, LORA, jax.random.key(1))
+    return params, base, _moved(trainable, jax.random.key(2))
+
+
+def test_adapter_shapes_and_step0_equals_base(model):
+    params, base, _ = model
+    _, fresh = lora.init_trainable(params, LORA, jax.random.key(1))
+    ad = fresh["lora"]["layers"]
+    # A [L, *in, r], B [L, r, *out]: q_proj W [L, H, N, D], o_proj W [L, N, D, H].
+    assert ad["attn"]["q_proj"]["a"].shape == (2, 32, 4)
+    assert ad["attn"]["q_proj"]["b"].shape == (2, 4, 4, 8)
+    assert ad["attn"]["o_proj"]["a"].shape == (2, 4, 8, 4)
+    assert ad["attn"]["o_proj"]["b"].shape == (2, 4, 32)
+    assert ad["mlp"]["down_proj"]["a"].shape == (2, 48, 4)
+    bound = 1 / np.sqrt(32)  # PEFT: uniform in +-1/sqrt(fan_in)
+    assert 0.5 * bound < np.abs(np.asarray(ad["attn"]["q_proj"]["a"])).max() <= bound
+    full = lora.combine(base, fresh, lora.scale(LORA))
+    np.testing.assert_array_equal(_logits(CFG, full), _logits(CFG, params))
+
+
+def test_adapted_forward_equals_merged_weights(model):
+    """x W + s x A B (the model) == x (W + s A B) (merged weights), on the layer-by-layer path,
+    the rematerialised scan and the KV-cache rollout."""
+    params, base, trainable = model
+    s = lora.scale(LORA)
+    full = lora.combine(base, trainable, s)
+    merged = lora.merge(base, trainable, s)
+    want = _logits(CFG, merged)
+    assert np.abs(np.asarray(want - _logits(CFG, params))).max() > 1e-2  # the adapters matter
+    np.testing.assert_allclose(_logits(CFG, full), want, atol=1e-5)
+    remat = dataclasses.replace(CFG, remat="block")
+    np.testing.assert_allclose(_logits(remat, full), want, atol=1e-5)
+    # The rollout's log-probs (adapters in the decode loop) are the merged model's.
+    prompt, pmask = jnp.asarray(IDS[:, :4]), jnp.asarray(MASK[:, :4])
+    out = rollout.generate(
+        CFG, full, prompt, pmask, jax.random.key(3), max_new_tokens=3, eos_id=22, pad_id=0
+    )
+    ids = jnp.concatenate([prompt, out.response_ids], 1)
+    mask = jnp.concatenate([pmask, out.response_mask], 1)
+    logp = jax.nn.log_softmax(tfm.apply_full(CFG, merged, ids, mask)[0][:, 3:-1], -1)
+    want_logp = jnp.take_along_axis(logp, out.response_ids[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out.log_probs * out.response_mask, want_logp * out.response_mask, atol=1e-5)
+
+
+def test_lora_config_errors():
+    cfg = config_lib.base_config()
+    cfg.lora.rank = 8
+    config_lib.validate(cfg)
+    for field, value, words in (
+        ("rank", -1, "lora.rank=-1"),
+        ("target_modules", "q_proj,qproj", "did you mean 'q_proj'"),
+        ("target_modules", "", "lora.target_modules is empty"),
+        ("dropout", 0.1, "lora.dropout=0.1"),
+        ("alpha", 0.0, "lora.alpha=0.0"),
+    ):
+        bad = config_lib.base_config()
+        bad.lora.rank = 8
+        bad.lora[field] = value
+        with pytest.raises(config_lib.ConfigError, match=words.replace("(", r"\(")):
+            config_lib.validate(bad)
+
+
+def _grpo_lora_cfg():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import grpo_math
+
+    cfg = grpo_math.get_config("tiny")
+    cfg.lora.rank = 4
+    cfg.actor.use_kl_loss = True
+    cfg.actor.entropy_coeff = 0.01  # a gradient even when every reward is equal
+    return cfg
+
+
+def test_fused_step_trains_only_adapters_with_base_as_reference():
+    """Two fused steps (one trace): the base (also the KL reference) stays bitwise as it was,
+    every adapter matrix moves, the optimizer holds moments of the adapters only, and the score
+    phase's reference log-probs are the base model's."""
+    from jrl import step as step_lib
+    from jrl import train
+
+    cfg = _grpo_lora_cfg()
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    params = tfm.init_params(model_cfg, jax.random.key(0))
+    want_base = jax.tree.map(np.asarray, params)
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    ids = train.sampling_ids(tok, task)
+    traces = []
+    fused = step_lib.make_step(cfg, model_cfg, reward_fn, **ids)
+
+    @jax.jit
+    def step(state, batch):
+        traces.append(1)
+        return fused(state, batch)
+
+    start = state.params
+    for i in range(2):
+        state, metrics = step(state, task.train_batch(i, step_lib.prompts_per_step(cfg)))
+    assert len(traces) == 1
+    assert np.isfinite(float(metrics["actor/kl_loss"]))
+    jax.tree.map(np.testing.assert_array_equal, state.ref_params, want_base)
+    assert set(state.params) == {"lora"}
+    for before, after in zip(jax.tree.leaves(start), jax.tree.leaves(state.params)):
+        assert np.abs(np.asarray(after - before)).min() > 0  # every entry of A and B moved
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert moments == 2 * sum(x.size for x in jax.tree.leaves(state.params))  # Adam mu, nu
+
+    generate, score, _ = step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
+    exp, _ = generate(state, task.train_batch(5, 4), jax.random.key(2))
+    scored = jax.jit(lambda s, e: score(s, e)[0])(state, exp)
+    args = [exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")]
+    mask = np.asarray(exp["response_mask"])
+    base_logp = step_lib.response_logprobs(model_cfg, params, *args, cfg.rollout.temperature)
+    np.testing.assert_allclose(scored["ref_log_prob"] * mask, base_logp * mask, atol=1e-5)
+    assert np.abs(np.asarray(scored["old_log_prob"] - base_logp) * mask).max() > 1e-4
+
+
+def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
+    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 2
+    reaches step 3's metrics and state exactly; a changed base is refused in one line; the merged
+    export computes the adapted model's logits; the PEFT export has PEFT's names and shapes."""
+    import json
+    import shutil
+
+    import safetensors.numpy
+
+    from jrl import checkpoint as checkpoint_lib
+    from jrl import export as export_lib
+    from jrl import models, train
+    from jrl import step as step_lib
+    from jrl import tokenizer as tokenizer_lib
+
+    hf_dir = str(tmp_path / "base")
+    base_cfg = dataclasses.replace(CFG, vocab_size=96, tie_word_embeddings=True)
+    models.save_pretrained(
+        base_cfg,
+        tfm.init_params(base_cfg, jax.random.key(0)),
+        hf_dir,
+        tokenizer=tokenizer_lib.char_tokenizer(),
+    )
+    cfg = _grpo_lora_cfg()
+    cfg.model.hf_path, cfg.tokenizer, cfg.warmup.sft_steps = hf_dir, "", 0
+    cfg.checkpoint.every_steps, cfg.checkpoint.async_save, cfg.checkpoint.max_to_keep = 1, False, 0
+    first, second = str(tmp_path / "run"), str(tmp_path / "resumed")
+    train.run(cfg, first)
+    reference = os.path.join(first, checkpoint_lib.REFERENCE_DIR)
+    assert not os.path.exists(reference) or not os.listdir(reference)  # no base saved
+    shutil.copytree(first, second)
+    shutil.rmtree(os.path.join(second, "checkpoints", "3"))
+    train.run(cfg, second)  # resumes from step 2
+    rows = [
+        [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        for d in (first, second)
+    ]
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/thr"))}
+    assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+    _, policy_cfg = export_lib.policy_model(cfg)
+    base, want, _ = export_lib.restore_lora(first, cfg, policy_cfg)
+    _, got, _ = export_lib.restore_lora(second, cfg, policy_cfg)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+    changed = str(tmp_path / "changed")
+    shutil.copytree(hf_dir, changed)
+    hf_config = json.load(open(os.path.join(changed, "config.json")))
+    hf_config["rms_norm_eps"] = 1e-5
+    json.dump(hf_config, open(os.path.join(changed, "config.json"), "w"))
+    other = cfg.copy_and_resolve_references()
+    other.model.hf_path = changed
+    with pytest.raises(checkpoint_lib.CheckpointError, match="not the one the LoRA checkpoints"):
+        train.run(other, second)
+
+    merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
+    export_lib.export(first, merged_dir)
+    export_lib.export(first, peft_dir, adapter_only=True)
+    merged_cfg, merged = models.load_pretrained(merged_dir)
+    full = lora.combine(base, want, lora.scale(cfg.lora))
+    adapted = _logits(policy_cfg, full)
+    np.testing.assert_allclose(_logits(merged_cfg, merged), adapted, atol=1e-5)
+    assert np.abs(np.asarray(adapted - _logits(policy_cfg, base))).max() > 1e-6  # it trained
+
+    peft_config = json.load(open(os.path.join(peft_dir, "adapter_config.json")))
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 4
+    assert peft_config["lora_alpha"] == 32.0 and peft_config["target_modules"] == list(lora.TARGETS)
+    tensors = safetensors.numpy.load_file(os.path.join(peft_dir, "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    prefix = "base_model.model.model.layers.1."
+    # PEFT: lora_A [r, in_features], lora_B [out_features, r] (HF q_proj: 32 -> 4 heads x 8).
+    assert tensors[prefix + "self_attn.q_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors[prefix + "self_attn.k_proj.lora_B.weight"].shape == (16, 4)
+    assert tensors[prefix + "self_attn.o_proj.lora_A.weight"].shape == (4, 32)
+    assert tensors[prefix + "mlp.down_proj.lora_A.weight"].shape == (4, 48)
+    assert tensors[prefix + "mlp.up_proj.lora_B.weight"].shape == (48, 4)
+    # The same delta as PEFT computes it: W_hf + (alpha / r) B_peft A_peft [out, in].
+    a = tensors[prefix + "self_attn.q_proj.lora_A.weight"]
+    b = tensors[prefix + "self_attn.q_proj.lora_B.weight"]
+    merged_q = safetensors.numpy.load_file(os.path.join(merged_dir, "model.safetensors"))
+    base_q = safetensors.numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_allclose(merged_q[name], base_q[name] + 8.0 * b @ a, atol=1e-6)
