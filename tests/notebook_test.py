@@ -58,16 +58,28 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
 
 
 def collapse_redraws(nb) -> None:
-    """Keeps what a terminal would show of each stream output: the text after the last \\r of
-    every line (tqdm redraws its bar in place)."""
+    """Keeps what a terminal would show of the stream outputs: consecutive outputs of one stream
+    merged, and of each line the text after its last \\r (tqdm redraws its bar in place)."""
     for cell in nb.cells:
+        merged = []
         for out in cell.get("outputs", []):
+            if out.output_type == "stream" and merged and merged[-1].get("name") == out.name:
+                merged[-1].text += out.text
+            else:
+                merged.append(out)
+        for out in merged:
             if out.output_type == "stream":
-                lines = out.text.split("\n")
-                out.text = "\n".join(line.split("\r")[-1] for line in lines if line.split("\r")[-1].strip() or not line)
+                shown = [line.split("\r")[-1] for line in out.text.split("\n")]
+                out.text = "\n".join(line for line in shown if line.strip()) + "\n"
+        if "outputs" in cell:
+            cell.outputs = merged
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     executed = execute("/tmp/jrl_quickstart", quick=False, timeout=1200)
+    collapse_redraws(executed)
+    nbformat.write(executed, NOTEBOOK)
+elif __name__ == "__main__" and "--collapse" in sys.argv:  # an executed notebook, saved again
+    executed = nbformat.read(NOTEBOOK, as_version=4)
     collapse_redraws(executed)
     nbformat.write(executed, NOTEBOOK)
