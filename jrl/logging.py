@@ -125,8 +125,9 @@ class MetricWriter:
         if not self.remote:
             workdir = os.fspath(workdir)
             os.makedirs(workdir, exist_ok=True)
-            self._files = {n: open(os.path.join(workdir, n), "a") for n in JSONL_FILES}
-            self._jsonl = self._files[METRICS_FILE]
+            self._workdir = workdir
+            self._files = {METRICS_FILE: open(os.path.join(workdir, METRICS_FILE), "a")}
+            self._jsonl = self._files[METRICS_FILE]  # samples.jsonl: opened by its first rows
             self._tb = SummaryWriter(logdir=workdir)
             return
         self._remote = epath.Path(workdir)
@@ -165,6 +166,8 @@ class MetricWriter:
         tensorboard as the text summary "samples" at `step`."""
         if not self.enabled:
             return
+        if SAMPLES_FILE not in self._files:  # local workdirs only (a URI's spool file exists)
+            self._files[SAMPLES_FILE] = open(os.path.join(self._workdir, SAMPLES_FILE), "a")
         f = self._files[SAMPLES_FILE]
         for row in rows:
             f.write(json.dumps({"step": int(step), **row}) + "\n")
