@@ -1,6 +1,7 @@
 """Evaluate a run's checkpoint on its task's eval split: greedy accuracy, mean@k and pass@k.
 
   python -m jrl.eval --workdir=DIR [--config=configs/X.py] [--step=N] [--k=4] [--temperature=1.0]
+                    [--show=N]
 
 The policy of checkpoint N (default: the newest that reads back) answers every eval prompt once
 greedily and k times sampled at `--temperature` (with the run's `rollout.top_k` / `rollout.top_p`;
@@ -18,7 +19,8 @@ to DIR's tensorboard events at global step N (a new event file per evaluation; t
 with k as a number and "@" as "_", which tensorboard tags cannot hold: `eval/greedy_accuracy`,
 `eval/mean_4`, `eval/pass_4`) and printed as one JSON line. The config defaults to the one the
 checkpoint was written with; `--config` (with `--config.a.b=v` overrides) replaces it, e.g. to
-evaluate on other eval files.
+evaluate on other eval files. `--show=N` first prints the greedy answers to the first N eval prompts,
+one line each (`reward R | 'prompt' -> 'completion'`).
 
 Exit status: 0 done; 2 bad arguments (a workdir without checkpoints, a step that is not saved,
 k < 1, a negative temperature, ...), with a one-line message on stderr.
@@ -40,6 +42,7 @@ from tensorboardX import SummaryWriter
 from jrl import config as config_lib
 from jrl import export as export_lib
 from jrl import rollout, train
+from jrl import samples as samples_lib
 from jrl import step as step_lib
 from jrl.logging import to_python
 
@@ -122,7 +125,7 @@ class Evaluator:
     with (default); `step` defaults to the newest checkpoint that reads back.
     """
 
-    def __init__(self, workdir: str, *, step: int | None = None, cfg=None):
+    def __init__(self, workdir: str, *, step: int | None = None, cfg=None, num_samples: int = 0):
         if cfg is None:
             cfg = export_lib.load_config(workdir, step)
         config_lib.validate(cfg)
@@ -137,12 +140,21 @@ class Evaluator:
         }
         self._greedy = None
         self._sampled = {}
+        self.num_samples = num_samples  # greedy answers kept for `sample_rows`
+        self.sample_rows: list[dict] = []  # {"prompt", "completion", "reward"}, after greedy()
 
     def greedy(self) -> dict:
-        """`val/accuracy` and `val/response_length` of greedy answers (jrl.step.make_eval)."""
+        """`val/accuracy` and `val/response_length` of greedy answers (jrl.step.make_eval); the
+        first `num_samples` answers go to `sample_rows`."""
         if self._greedy is None:
-            evaluate = jax.jit(step_lib.make_eval(self.model_cfg, self.reward_fn, **self._ids))
-            self._greedy = to_python(evaluate(self.params, self.batch))
+            evaluate = jax.jit(
+                step_lib.make_eval(
+                    self.model_cfg, self.reward_fn, **self._ids, num_samples=self.num_samples
+                )
+            )
+            metrics, found = samples_lib.split(to_python(evaluate(self.params, self.batch)))
+            self.sample_rows = samples_lib.rows(self.task, self.batch, found)
+            self._greedy = metrics
         return self._greedy
 
     def sample_scores(self, k: int, temperature: float, seed: int = 0) -> np.ndarray:
@@ -217,6 +229,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("k", 4, "Sampled answers per eval prompt (mean@k, pass@k).")
     flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the k answers; 0: greedy.")
     flags.DEFINE_integer("seed", 0, "PRNG seed of the sampled answers.")
+    flags.DEFINE_integer(
+        "show", 0, "Print the greedy answers to the first N eval prompts (reward, prompt, answer)."
+    )
 
 
 def main(argv) -> None:
@@ -226,11 +241,17 @@ def main(argv) -> None:
         if not FLAGS.workdir:
             raise ValueError("--workdir is required: the directory of the run to evaluate.")
         check_sampling(FLAGS.k, FLAGS.temperature)
-        evaluator = Evaluator(FLAGS.workdir, step=FLAGS.step, cfg=FLAGS.config)
+        if FLAGS.show < 0:
+            raise ValueError(f"--show={FLAGS.show} must be >= 0 (answers to print).")
+        evaluator = Evaluator(
+            FLAGS.workdir, step=FLAGS.step, cfg=FLAGS.config, num_samples=FLAGS.show
+        )
     except ValueError as e:  # ExportError, CheckpointError, ConfigError, bad flags
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     result = evaluator.evaluate(k=FLAGS.k, temperature=FLAGS.temperature, seed=FLAGS.seed)
+    for line in samples_lib.lines(evaluator.sample_rows, width=1000):
+        print(line)
     print(json.dumps(result))
 
 

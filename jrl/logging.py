@@ -24,6 +24,8 @@ import numpy as np
 import tqdm
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # a few eval answers per eval: {"step", "prompt", "completion", ...}
+JSONL_FILES = (METRICS_FILE, SAMPLES_FILE)
 
 # Progress-bar fields: (label, metric name, format).
 _BAR_FIELDS = (
@@ -67,23 +69,25 @@ def write_text(path, text: str) -> None:
 
 
 def trim_metrics(workdir, last_step: int) -> None:
-    """On resume, drops the `metrics.jsonl` rows of steps after `last_step` (they are redone).
+    """On resume, drops the `metrics.jsonl` and `samples.jsonl` rows of steps after `last_step`
+    (they are redone).
 
     Works for local and URI workdirs; a missing file is left missing. A row that does not parse
     (the torn last line of a killed run) is dropped with the later steps.
     """
-    path = epath.Path(workdir) / METRICS_FILE
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
+    for name in JSONL_FILES:
+        path = epath.Path(workdir) / name
+        if not path.exists():
             continue
-        if row["step"] <= last_step:
-            kept.append(line + "\n")
-    write_text(os.fspath(path), "".join(kept))
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row["step"] <= last_step:
+                kept.append(line + "\n")
+        write_text(os.fspath(path), "".join(kept))
 
 
 class MetricWriter:
@@ -121,7 +125,9 @@ class MetricWriter:
         if not self.remote:
             workdir = os.fspath(workdir)
             os.makedirs(workdir, exist_ok=True)
-            self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+            self._workdir = workdir
+            self._files = {METRICS_FILE: open(os.path.join(workdir, METRICS_FILE), "a")}
+            self._jsonl = self._files[METRICS_FILE]  # samples.jsonl: opened by its first rows
             self._tb = SummaryWriter(logdir=workdir)
             return
         self._remote = epath.Path(workdir)
@@ -130,14 +136,16 @@ class MetricWriter:
         self._uploaded: dict[str, int] = {}  # spool file -> size at its last upload
         self._names: dict[str, str] = {}  # spool file -> its name in the workdir
         self._last_upload = -math.inf
-        local = os.path.join(self._spool, METRICS_FILE)
-        remote = self._remote / METRICS_FILE
-        with open(local, "w") as f:
-            if remote.exists():
-                text = remote.read_text()
-                f.write(text if not text or text.endswith("\n") else text + "\n")
-        self._uploaded[local] = os.path.getsize(local)
-        self._jsonl = open(local, "a")
+        self._files = {}
+        for name in JSONL_FILES:
+            local, remote = os.path.join(self._spool, name), self._remote / name
+            with open(local, "w") as f:
+                if remote.exists():
+                    text = remote.read_text()
+                    f.write(text if not text or text.endswith("\n") else text + "\n")
+            self._uploaded[local] = os.path.getsize(local)
+            self._files[name] = open(local, "a")
+        self._jsonl = self._files[METRICS_FILE]
         self._tb = SummaryWriter(logdir=self._tb_dir)
         atexit.register(self.close)
 
@@ -153,12 +161,26 @@ class MetricWriter:
         if self.remote and time.monotonic() - self._last_upload >= self._upload_every_s:
             self._upload()
 
+    def write_samples(self, step: int, rows: list[dict], text: str) -> None:
+        """Appends `rows` (each with "step" added) to `samples.jsonl` and `text` (markdown) to
+        tensorboard as the text summary "samples" at `step`."""
+        if not self.enabled:
+            return
+        if SAMPLES_FILE not in self._files:  # local workdirs only (a URI's spool file exists)
+            self._files[SAMPLES_FILE] = open(os.path.join(self._workdir, SAMPLES_FILE), "a")
+        f = self._files[SAMPLES_FILE]
+        for row in rows:
+            f.write(json.dumps({"step": int(step), **row}) + "\n")
+        f.flush()
+        self._tb.add_text("samples", text, global_step=step)
+
     def flush(self) -> bool:
         """Makes every row and event written so far durable in the workdir (for a URI workdir:
         uploads now). Returns False if an upload failed (the failure is logged)."""
         if not self.enabled or self._closed:
             return True
-        self._jsonl.flush()
+        for f in self._files.values():
+            f.flush()
         self._tb.flush()
         return self._upload() if self.remote else True
 
@@ -167,7 +189,8 @@ class MetricWriter:
         if self._closed:
             return
         self._closed = True
-        self._jsonl.close()
+        for f in self._files.values():
+            f.close()
         self._tb.close()
         if not self.remote:
             return
@@ -192,7 +215,7 @@ class MetricWriter:
         the host; one of an earlier writer with that name (a quick restart) is never replaced."""
         if local not in self._names:
             name = os.path.basename(local)
-            if local != self._jsonl.name:
+            if local not in {f.name for f in self._files.values()}:
                 base, n = name, 0
                 while (self._remote / name).exists():
                     n += 1
@@ -204,7 +227,7 @@ class MetricWriter:
         """Uploads the spool files that changed since their last upload, whole."""
         self._last_upload = time.monotonic()  # a failed attempt also waits for the next slot
         self._tb.flush()
-        files = [os.path.join(self._spool, METRICS_FILE)]
+        files = [f.name for f in self._files.values()]
         if os.path.isdir(self._tb_dir):
             files += [os.path.join(self._tb_dir, n) for n in sorted(os.listdir(self._tb_dir))]
         try:

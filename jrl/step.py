@@ -822,8 +822,12 @@ def make_eval(
     eos_id: int,
     pad_id: int,
     max_new_tokens: int,
+    num_samples: int = 0,
 ):
-    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding."""
+    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
+    with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
+    "samples/response_ids" and "samples/response_mask" [num_samples, R], "samples/score"
+    [num_samples] (jrl.samples splits them off the metrics)."""
 
     def evaluate(params, batch: Batch):
         out = rollout.generate(
@@ -838,10 +842,15 @@ def make_eval(
             greedy=True,
         )
         scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
-        return {
+        metrics = {
             "val/accuracy": jnp.mean(scores),
             "val/response_length": jnp.mean(jnp.sum(out.response_mask, -1).astype(jnp.float32)),
         }
+        if num_samples:
+            metrics["samples/response_ids"] = out.response_ids[:num_samples]
+            metrics["samples/response_mask"] = out.response_mask[:num_samples]
+            metrics["samples/score"] = scores[:num_samples]
+        return metrics
 
     return evaluate
 

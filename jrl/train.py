@@ -35,6 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from jrl import checkpoint as checkpoint_lib
+from jrl import console
+from jrl import samples as samples_lib
 from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
 from jrl import logging as metric_files
@@ -263,9 +265,12 @@ def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
 
 def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
     """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
-    of train problems reaches `warmup.target_accuracy` (checked every `warmup.check_every` steps) or
-    `warmup.sft_steps` steps are done. Stopping at an accuracy, not a step count, leaves RL a policy
-    that is partly right whatever the seed or machine. Returns (params, steps, accuracy)."""
+    of train problems reaches `warmup.target_accuracy` or `warmup.sft_steps` steps are done.
+    Accuracy is checked every `warmup.check_every` steps and, once it is past half the target,
+    after every step: the warm-up stops at the first step at or above the target (the accuracy
+    moves by up to 0.1 in one step), not at a later check that overshot it. Stopping at an
+    accuracy, not a step count, leaves RL a policy that is partly right whatever the seed or
+    machine. Returns (params, steps, accuracy)."""
     tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
     sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
     opt_state = tx.init(params)
@@ -277,7 +282,8 @@ def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
         )  # not the RL steps' data
         params, opt_state, _ = sft_step(params, opt_state, batch)
         steps += 1
-        if steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
+        near = accuracy >= cfg.warmup.target_accuracy / 2  # then check after every step
+        if near or steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
             accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
     return params, steps, accuracy
 
@@ -335,13 +341,16 @@ def run(cfg, workdir: str) -> dict:
         raise config_lib.ConfigError(str(e)) from None
     step_lib.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
     check_writable(workdir)
+    console.log_to_file(workdir, jax.process_index())  # INFO logs: workdir/train.log
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
+    say = print if main_process else lambda *_: None  # the few lines a run shows
     long_prompts = prompt_counts(task)
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
     ids = sampling_ids(tok, task)
     evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
+    eval_samples_fn = step_lib.make_eval(model_cfg, reward_fn, **ids, num_samples=cfg.eval_samples)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     ckpt = checkpoint_lib.Checkpointer(
@@ -353,6 +362,8 @@ def run(cfg, workdir: str) -> dict:
     step_fn, abstract, state_sh, batch_sh = jit_step(
         cfg, model_cfg, reward_fn, ids, mesh, lambda: init(transformer.init_params(model_cfg, key_init))
     )
+    num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+    say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)
     batch_size = step_lib.prompts_per_step(cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
     my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
@@ -369,11 +380,10 @@ def run(cfg, workdir: str) -> dict:
             params = initial_params(cfg, model_cfg, key_init)
             t0 = time.perf_counter()
             params, steps, acc = sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
-            logging.info(
-                "warm-up: %d supervised steps in %.1fs, greedy train accuracy %.3f",
-                steps,
-                time.perf_counter() - t0,
-                acc,
+            say(
+                f"warm-up: {steps} supervised steps in {time.perf_counter() - t0:.1f}s, greedy "
+                f"train accuracy {acc:.3f} (target {cfg.warmup.target_accuracy})",
+                flush=True,
             )
             params = sharding.put(jax.device_get(params), params_sh)
         else:  # straight into the shards: no host holds the whole model
@@ -383,7 +393,7 @@ def run(cfg, workdir: str) -> dict:
         state, extra, start = resumed
         if base_from_hf:
             state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
-        logging.info("resumed from %s at step %d", ckpt.directory, start)
+        say(f"resumed from {ckpt.directory} at step {start}", flush=True)
         if main_process:
             metric_files.trim_metrics(workdir, start)
     if main_process:  # after a successful restore
@@ -391,26 +401,31 @@ def run(cfg, workdir: str) -> dict:
             os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)
         )
     eval_fn = jax.jit(
-        lambda state, batch: evaluate_fn(step_lib.policy_params(cfg, state), batch),
+        lambda state, batch: eval_samples_fn(step_lib.policy_params(cfg, state), batch),
         in_shardings=(state_sh, replicated),
         out_shardings=replicated,
     )
     eval_batch = sharding.put(task.eval_batch(), replicated)
 
-    def evaluate(state):
+    def evaluate(state, step):  # also writes the eval's sample answers and shows the first
         with jax.set_mesh(mesh):  # traced under the mesh: the KV cache is pinned to it
-            return to_python(eval_fn(state, eval_batch))
+            metrics, found = samples_lib.split(to_python(eval_fn(state, eval_batch)))
+        rows = samples_lib.rows(task, task.eval_batch(), found) if main_process else []
+        writer.write_samples(step, rows, samples_lib.markdown(rows))
+        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}")
+        for line in samples_lib.lines(rows[:1]):
+            bar.write(f"  e.g. {line}")
+        return metrics
 
     writer = MetricWriter(workdir, enabled=main_process)
     bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
     if resumed is None:
-        metrics = evaluate(state)
+        metrics = evaluate(state, 0)
         first_accuracy = metrics["val/accuracy"]
         writer.write(0, {**metrics, **long_prompts})
-        bar.write(f"step 0: val/accuracy {first_accuracy:.3f}")
     else:
         first_accuracy = extra["val/accuracy_first"]
-        metrics = evaluate(state) if start >= cfg.total_steps else {}
+        metrics = evaluate(state, start) if start >= cfg.total_steps else {}
     config_json = json.loads(cfg.to_json_best_effort())
     extra = lambda done: {
         "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
@@ -433,8 +448,7 @@ def run(cfg, workdir: str) -> dict:
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
             done = i + 1
             if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-                metrics.update(evaluate(state))
-                bar.write(f"step {done}: val/accuracy {metrics['val/accuracy']:.3f}")
+                metrics.update(evaluate(state, done))
             writer.write(done, metrics)
             bar.update(metrics)
             consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
@@ -466,6 +480,7 @@ def start_fresh(workdir: str) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    console.quiet_console(verbosity_given=flags.FLAGS["verbosity"].present)
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")

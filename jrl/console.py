@@ -1,0 +1,87 @@
+"""What the command-line tools print: warnings and errors of the libraries, not their INFO logs.
+
+orbax logs about fifty INFO lines per checkpoint and absl / jax add their own; on the console
+they would bury the progress bar and the few lines a run means to show (its summary, the warm-up
+result, one line per eval, the final JSON line). `quiet_console()` raises the console's threshold
+to WARNING unless `--verbosity` was given; `log_to_file(workdir)` keeps every INFO record in
+`workdir/train.log` (local workdirs; a run's own INFO lines included).
+
+transformers says "PyTorch was not found ..." on import; jrl uses only its tokenizers, so
+importing jrl sets TRANSFORMERS_NO_ADVISORY_WARNINGS=1 (unless already set) to hide that notice
+(`hide_library_notices`, called from `jrl/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LOG_FILE = "train.log"  # INFO log of a run in its workdir (train.<i>.log on process i > 0)
+
+
+def hide_library_notices() -> None:
+    """Hides transformers' advisory notices (its "PyTorch was not found" line) unless the
+    environment already sets TRANSFORMERS_NO_ADVISORY_WARNINGS; warnings and errors stay."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def quiet_console(verbosity_given: bool) -> None:
+    """Console (absl's stderr handler) at WARNING, unless `--verbosity` was given: then absl's
+    own level (`--verbosity=0` INFO, `1` DEBUG) is kept. Records still reach other handlers (the
+    log file) at the level absl set."""
+    from absl import logging as absl_logging
+
+    if not verbosity_given:
+        absl_logging.get_absl_handler().setLevel(logging.WARNING)
+
+
+class _RunLog(logging.FileHandler):
+    """The INFO log file of one run (a separate class, so a second run replaces it)."""
+
+
+def log_to_file(workdir: str, process_index: int = 0) -> str | None:
+    """Appends every record that reaches the root logger (INFO and up under absl's default
+    verbosity) to `workdir/train.log`; replaces the file handler of an earlier run in this
+    process. A URI workdir (gs://...) gets no log file. Returns the file's path or None."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _RunLog)]:
+        root.removeHandler(handler)
+        handler.close()
+    if "://" in workdir:
+        return None
+    name = LOG_FILE if process_index == 0 else f"train.{process_index}.log"
+    handler = _RunLog(os.path.join(workdir, name))
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s %(filename)s:%(lineno)d] %(message)s")
+    )
+    root.addHandler(handler)
+    return handler.baseFilename
+
+
+def _count(n: float) -> str:
+    """1234567 -> '1.23M' (parameter counts)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def run_summary(cfg, model_cfg, num_params: int, mesh, workdir: str) -> list[str]:
+    """The lines a run prints before it starts: model size, devices and mesh, the RL settings,
+    and the workdir with what it will hold."""
+    import jax
+
+    devices = jax.devices()
+    axes = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return [
+        f"model: {_count(num_params)} parameters ({model_cfg.num_layers} layers, hidden "
+        f"{model_cfg.hidden_size}, vocabulary {model_cfg.vocab_size}), {model_cfg.dtype} compute",
+        f"devices: {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
+        f"{jax.process_count()} process(es); mesh {axes}",
+        f"RL: {cfg.algorithm.adv_estimator}, {cfg.total_steps} steps x "
+        f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples; eval every "
+        f"{cfg.eval_every or cfg.total_steps} steps on {cfg.task.eval_size} held-out prompts",
+        f"workdir: {workdir} (metrics.jsonl, samples.jsonl, tensorboard events, checkpoints, "
+        f"{LOG_FILE})",
+    ]
