@@ -350,7 +350,8 @@ def run(cfg, workdir: str) -> dict:
 
     ids = sampling_ids(tok, task)
     evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
-    eval_samples_fn = step_lib.make_eval(model_cfg, reward_fn, **ids, num_samples=cfg.eval_samples)
+    num_samples = min(cfg.eval_samples, len(task.eval_batch()["input_ids"]))
+    eval_samples_fn = step_lib.make_eval(model_cfg, reward_fn, **ids, num_samples=num_samples)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     ckpt = checkpoint_lib.Checkpointer(

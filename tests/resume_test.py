@@ -38,16 +38,17 @@ def compile_cache(tmp_path_factory):
 
 
 def _train(workdir, *extra, wait=True):
-    """Runs the trainer in a subprocess; with wait, returns its stderr (and checks exit 0)."""
+    """Runs the trainer in a subprocess; with wait, returns its stdout + stderr (and checks
+    exit 0)."""
     cmd = [sys.executable, "-m", "jrl.train", f"--workdir={workdir}", *ARGS, *extra]
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     if not wait:
         return proc
-    _, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    return err
+    return out + err
 
 
 def _rows(workdir):
