@@ -19,15 +19,12 @@ from jrl.algos import advantages, group_ppo, kl, losses
 from jrl.data import math_data
 from jrl.models import attention, transformer
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGG_MODES = tuple(losses.loss_agg_modes())
 MODEL_DTYPES = ("float32", "bfloat16")
 # Estimators that compare samples of the same prompt: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+GROUP_ESTIMATORS = tuple(
+    name for name in advantages.names() if "index" in advantages.needs(name)
+)
 
 
 class ConfigError(ValueError):
@@ -137,7 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.clip_cov_ub = 5.0  # clip_cov: upper covariance bound of candidate tokens
     c.actor.kl_cov_ratio = 0.0002  # kl_cov: fraction of tokens given the KL penalty
     c.actor.ppo_kl_coef = 0.1  # kl_cov: weight of that penalty
-    c.actor.loss_agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    c.actor.loss_agg_mode = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss
     c.actor.kl_loss_type = (
