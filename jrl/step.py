@@ -664,7 +664,10 @@ def make_phases(
         guard (`ok` not None) the update is applied only while everything so far is finite:
         a select fused into the optimizer's elementwise update, so no second copy of the state."""
         state, actor_on, ok = carry
+        # the whole mini-batch's normalisers; under rejection (verl's trainer): the tokens left,
+        # but every response row for the seq-mean modes
         counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
+        counts["policy"]["seqs"] = losses.batch_counts(mb["response_mask"])["seqs"]
         if use_critic:
             counts["value"] = losses.batch_counts(mb["critic_mask"])
         grads, metrics = accumulate_grads(
