@@ -364,3 +364,34 @@ def test_straight_through_kl_kinds(kind):
     close(kl_lib.kl_penalty(logp, ref, kind + "+"), kl_lib.kl_penalty(logp, ref, kind))
     grad = jax.grad(lambda x: jnp.sum(kl_lib.kl_penalty(x, ref, kind + "+")))(logp)
     close(grad, logp - ref)  # d/dlogp of 0.5 (logp - ref)^2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"actor.policy_loss": "dro"}, "dro_beta"),
+        ({"actor.policy_loss": "bypass_mode"}, "bypass_mode"),
+        ({"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_is": ""}, "corrects nothing"),
+        (
+            {"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_rs": "seq_k9"},
+            "rollout_correction.rollout_rs option 'seq_k9'",
+        ),
+        (
+            {"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_is_threshold": "x"},
+            "rollout_correction.rollout_is_threshold",
+        ),
+        ({"actor.loss_agg_mode": "token_sum"}, "did you mean 'token-sum'"),
+    ],
+)
+def test_config_errors(overrides, message):
+    from jrl import config as config_lib
+
+    cfg = config_lib.base_config()
+    for path, value in overrides.items():
+        section, *rest = path.split(".")
+        node = cfg[section]
+        for part in rest[:-1]:
+            node = node[part]
+        node[rest[-1]] = value
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(cfg)
