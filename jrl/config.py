@@ -15,19 +15,16 @@ import os
 import ml_collections
 
 from jrl import data, rewards
-from jrl.algos import advantages, group_ppo, kl, losses
+from jrl.algos import advantages, group_ppo, kl, losses, rollout_corr
 from jrl.data import math_data
 from jrl.models import attention, lora, transformer
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGG_MODES = tuple(losses.loss_agg_modes())
 MODEL_DTYPES = ("float32", "bfloat16")
 # Estimators that compare samples of the same prompt: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+GROUP_ESTIMATORS = tuple(
+    name for name in advantages.names() if "index" in advantages.needs(name)
+)
 
 
 class ConfigError(ValueError):
@@ -138,7 +135,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.clip_cov_ub = 5.0  # clip_cov: upper covariance bound of candidate tokens
     c.actor.kl_cov_ratio = 0.0002  # kl_cov: fraction of tokens given the KL penalty
     c.actor.ppo_kl_coef = 0.1  # kl_cov: weight of that penalty
-    c.actor.loss_agg_mode = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    c.actor.dro_beta = 0.0  # dro: weight of the quadratic log-ratio penalty (must be > 0 for dro)
+    c.actor.loss_agg_mode = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss
     c.actor.kl_loss_type = (
@@ -158,6 +156,26 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.kl_ctrl.kl_coef = 0.001  # initial beta
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
+
+    # Rollout correction (verl's algorithm.rollout_correction; docs/algorithms.md): IS weights and
+    # rejection between the rollout's own log-probs and the trainer's recomputed ones.
+    c.algorithm.rollout_correction = ml_collections.ConfigDict()
+    c.algorithm.rollout_correction.enable = False  # verl: rollout_correction set (not None)
+    c.algorithm.rollout_correction.rollout_is = "sequence"  # IS weight level: token | sequence | "" (off)
+    c.algorithm.rollout_correction.rollout_is_threshold = (
+        "2.0"  # "U": truncate weights at U (TIS); "L_U": zero weights outside [L, U] (IcePop)
+    )
+    c.algorithm.rollout_correction.rollout_is_batch_normalize = False  # rescale weights to mean 1
+    c.algorithm.rollout_correction.rollout_rs = (
+        ""  # rejection options, comma-separated (token_k1, seq_mean_k3, ...); "": off
+    )
+    c.algorithm.rollout_correction.rollout_rs_threshold = (
+        ""  # one bound shared, or one per option ("L_U" ratio bounds for *_k1)
+    )
+    c.algorithm.rollout_correction.bypass_mode = (
+        False  # True: old log-probs = the rollout's (no old forward); needs actor.policy_loss=bypass_mode
+    )
+    c.algorithm.rollout_correction.loss_type = "ppo_clip"  # bypass_mode's loss: ppo_clip | reinforce
 
     c.algorithm.group_params = ml_collections.ConfigDict()  # GROUP-PPO (docs/algorithms.md)
     c.algorithm.group_params.group_variance_threshold = (
@@ -381,6 +399,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         not (cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2),
         "algorithm.filter_groups.enable needs rollout.n >= 2 (groups of one never differ).",
     )
+    _check(
+        cfg.actor.policy_loss != "dro" or cfg.actor.dro_beta > 0,
+        f"actor.policy_loss='dro' needs actor.dro_beta > 0 (got {cfg.actor.dro_beta}); "
+        f"set e.g. --config.actor.dro_beta=0.1.",
+    )
+    _validate_rollout_correction(cfg)
     try:
         group_ppo.group_params(cfg.algorithm)
     except ValueError as e:
@@ -433,6 +457,30 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
         c.dropout == 0,
         f"lora.dropout={c.dropout} is not supported (adapters train without dropout); set "
         f"--config.lora.dropout=0.",
+    )
+
+
+def _validate_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
+    """algorithm.rollout_correction: thresholds parse, and bypass_mode goes with its loss."""
+    rc = cfg.algorithm.rollout_correction
+    bypass = rc.enable and rc.bypass_mode
+    _check(
+        bypass == (cfg.actor.policy_loss == "bypass_mode"),
+        "actor.policy_loss='bypass_mode' and algorithm.rollout_correction.bypass_mode=True (with "
+        ".enable=True) go together: set both, or neither "
+        f"(got policy_loss='{cfg.actor.policy_loss}', enable={rc.enable}, "
+        f"bypass_mode={rc.bypass_mode}).",
+    )
+    if not rc.enable:
+        return
+    try:
+        parsed = rollout_corr.settings(rc)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.rollout_correction.{e}") from None
+    _check(
+        bypass or parsed["level"] or parsed["rs"],
+        "algorithm.rollout_correction.enable=True corrects nothing: set rollout_is (token | "
+        "sequence) and / or rollout_rs.",
     )
 
 

@@ -30,6 +30,7 @@ from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
+from jrl.algos import rollout_corr
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
@@ -62,18 +63,28 @@ def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
     return "values" in adv_lib.needs(cfg.algorithm.adv_estimator)
 
 
+def bypass_mode(cfg: ml_collections.ConfigDict) -> bool:
+    """Rollout correction's bypass mode: the old log-probs are the rollout's own (no old forward);
+    the `bypass_mode` policy loss corrects against them."""
+    rc = cfg.algorithm.rollout_correction
+    return bool(rc.enable and rc.bypass_mode)
+
+
 def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
     """Whether the update's own forward can stand in for the old-log-prob forward: one PPO epoch
     over one mini-batch runs on exactly the parameters the rollout is scored with, so
     old_log_prob = stop_gradient(log_prob) of the update's forward (TRL with num_iterations=1),
     and the scoring forward of the policy is skipped. Not when something needs the old
-    log-probs before the update: KL in the reward, an estimator that reads them (GROUP-PPO), or
+    log-probs before the update: KL in the reward, an estimator that reads them (GROUP-PPO, the
+    optimal token baselines), rollout correction (its IS weights and rejection compare them with
+    the rollout's before the advantages, as verl; bypass mode uses the rollout's instead), or
     values from a value head on the policy's own forward."""
     return (
         cfg.actor.ppo_epochs == 1
         and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
         and not cfg.algorithm.use_kl_in_reward
         and "old_log_prob" not in adv_lib.needs(cfg.algorithm.adv_estimator)
+        and not cfg.algorithm.rollout_correction.enable
         and not (needs_critic(cfg) and cfg.critic.share_backbone)
     )
 
@@ -211,8 +222,10 @@ def token_log_probs(
     temperature: float = 1.0,
     with_entropy=False,
     entropy_grad=True,
+    with_sum_pi_squared=False,
 ):
     """(log softmax(logits / T)[target] [B, L], entropy of softmax(logits / T) [B, L] or None),
+    plus sum_v softmax(logits / T)_v^2 [B, L] (no gradient) when `with_sum_pi_squared`,
     float32, with logits = `transformer.lm_logits(hidden, head)`. `entropy_grad=False`: the
     entropy is a value only (a metric), no gradient flows through it, so the backward skips its
     [B, L, V] work. With `logits_chunk_size` c set,
@@ -227,12 +240,16 @@ def token_log_probs(
         logits = transformer.lm_logits(model_cfg, h_BCH, head) / temperature
         log_z = jax.nn.logsumexp(logits, axis=-1)
         logp = jnp.take_along_axis(logits, t_BC[..., None], -1)[..., 0] - log_z
+        extra = ()
+        if with_sum_pi_squared:
+            p = jax.lax.stop_gradient(jnp.exp(logits - log_z[..., None]))
+            extra = (jnp.sum(p * p, axis=-1),)
         if not with_entropy:
-            return logp, None
+            return (logp, None, *extra)
         if not entropy_grad:
             logits, log_z = jax.lax.stop_gradient((logits, log_z))
         p = jnp.exp(logits - log_z[..., None])  # H = log Z - sum_v p_v logit_v (finite logits)
-        return logp, log_z - jnp.sum(p * logits, axis=-1)
+        return (logp, log_z - jnp.sum(p * logits, axis=-1), *extra)
 
     b, l, _ = hidden_BLH.shape
     c = model_cfg.logits_chunk_size
@@ -259,11 +276,12 @@ def response_outputs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
 ) -> dict[str, jax.Array]:
     """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
     `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
     `entropy` of that distribution (if asked; without a gradient unless `entropy_grad`),
-    `values` = V(prompt, y_<t) (with a value head).
+    `values` = V(prompt, y_<t) (with a value head), `sum_pi_squared` = sum_v pi(v)^2 (if asked).
     Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`)."""
     p = prompt_ids_BP.shape[1]
     ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
@@ -271,7 +289,7 @@ def response_outputs(
     hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
     out = {}
     if head is not None:
-        log_prob, entropy = token_log_probs(
+        log_prob, entropy, *extra = token_log_probs(
             model_cfg,
             hidden[:, p - 1 : -1],
             head,
@@ -279,10 +297,13 @@ def response_outputs(
             temperature,
             with_entropy,
             entropy_grad,
+            with_sum_pi_squared,
         )
         out["log_prob"] = log_prob
         if with_entropy:
             out["entropy"] = entropy
+        if with_sum_pi_squared:
+            out["sum_pi_squared"] = extra[0]
     if values is not None:
         out["values"] = values[:, p - 1 : -1]
     return out
@@ -460,6 +481,14 @@ def make_phases(
     use_critic, shared = needs_critic(cfg), needs_critic(cfg) and critic_cfg is None
     use_ref = needs_reference(cfg)
     needs_baseline = "reward_baselines" in adv_lib.needs(algo.adv_estimator)
+    needs_sum_pi_squared = "sum_pi_squared" in adv_lib.needs(algo.adv_estimator)
+    correction = algo.rollout_correction.enable
+    corr_settings = rollout_corr.settings(algo.rollout_correction) if correction else None
+    bypass = bypass_mode(cfg)
+    # the actor section the policy loss reads (bypass_mode: with the rollout-correction settings)
+    loss_cfg = ml_collections.ConfigDict(
+        {**actor.to_dict(), "rollout_correction": algo.rollout_correction.to_dict()}
+    )
     overlong = cfg.reward.overlong_buffer
     filter_groups = algo.filter_groups
     tx, critic_tx = make_optimizer(actor), make_optimizer(critic)
@@ -479,6 +508,8 @@ def make_phases(
             model_cfg, params, rows["input_ids"], rows["attention_mask"], key, **sample
         )
         exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
+        if correction:  # the rollout's own log-probs, for the IS weights / bypass mode
+            exp["rollout_log_prob"] = out.log_probs
         acc = reward_fn(exp, out.response_ids, out.response_mask, eos_id=eos_id)
         scores = acc
         if overlong.enable:
@@ -539,7 +570,7 @@ def make_phases(
             return dynamic_sampling(policy_params(cfg, state), prompts, key)
         return rollout_and_reward(policy_params(cfg, state), prompts, key), {}
 
-    def forward(model, params, exp, with_entropy=False):
+    def forward(model, params, exp, with_entropy=False, with_sum_pi_squared=False):
         return response_outputs(
             model,
             params,
@@ -550,14 +581,24 @@ def make_phases(
             roll_cfg.temperature,
             with_entropy,
             entropy_grad=actor.entropy_coeff != 0,  # else the entropy is only a metric
+            with_sum_pi_squared=with_sum_pi_squared,
         )
 
     def score_forwards(state: TrainState, rows: Batch) -> Batch:
-        """Old (unless on-policy) and reference log-probs and values of some rows."""
+        """Old (unless on-policy or bypass mode) and reference log-probs and values of some rows.
+        (Bypass mode with a value head on the policy still runs the policy's forward, for the
+        values; its log-probs are then replaced by the rollout's.)"""
         out = {}
-        if not on_policy:
-            old = forward(model_cfg, policy_params(cfg, state), rows)
+        if not (on_policy or (bypass and not shared)):
+            old = forward(
+                model_cfg,
+                policy_params(cfg, state),
+                rows,
+                with_sum_pi_squared=needs_sum_pi_squared,
+            )
             out["old_log_prob"] = old["log_prob"]
+            if needs_sum_pi_squared:
+                out["sum_pi_squared"] = old["sum_pi_squared"]
         if use_ref:
             ref = forward(model_cfg, reference_params(cfg, state), rows)
             out["ref_log_prob"] = ref["log_prob"]
@@ -576,6 +617,8 @@ def make_phases(
         exp = {**exp, **jax.lax.stop_gradient(scored)}
         if use_critic:
             exp["values"] = exp["values"] * mask
+        if bypass:
+            exp["old_log_prob"] = exp["rollout_log_prob"] * mask
         metrics = {}
         token_level_scores = last_token_scores(exp["scores"], mask)
         token_level_rewards, kl_coef = token_level_scores, state.kl_coef
@@ -592,6 +635,14 @@ def make_phases(
             kl_coef = kl_lib.kl_ctrl_update(
                 state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b, algo
             )
+        if correction and not bypass:  # verl's order: after KL in the reward, before advantages
+            weights, mask, corr_metrics = rollout_corr.correct(
+                exp["old_log_prob"], exp["rollout_log_prob"], mask, corr_settings
+            )
+            metrics.update(corr_metrics)
+            exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
+            if weights is not None:
+                exp["rollout_is_weights"] = weights
         adv = adv_lib.compute_full(
             algo.adv_estimator,
             token_level_rewards=token_level_rewards,
@@ -601,6 +652,8 @@ def make_phases(
             reward_baselines=exp.get("reward_baselines"),
             old_log_prob=exp.get("old_log_prob"),
             threshold=state.group_threshold,
+            sum_pi_squared=exp.get("sum_pi_squared"),
+            rollout_is_weights=exp.get("rollout_is_weights"),
             config=algo,
         )
         metrics.update(adv["metrics"])
@@ -617,7 +670,7 @@ def make_phases(
     def policy_terms(out, mb, counts):
         """Policy loss (+ KL loss - entropy bonus) of a (micro-)batch from the forward `out`;
         `counts` normalise by the whole mini-batch (`losses.batch_counts`)."""
-        mask = mb["response_mask"]
+        mask = mb.get("policy_mask", mb["response_mask"])  # rejection-masked under correction
         old_log_prob = jax.lax.stop_gradient(out["log_prob"]) if on_policy else mb["old_log_prob"]
         pg_loss, metrics = losses.policy_loss(
             actor.policy_loss,
@@ -626,8 +679,9 @@ def make_phases(
             advantages=mb["advantages"],
             response_mask=mask,
             loss_agg_mode=actor.loss_agg_mode,
-            config=actor,
+            config=loss_cfg,
             counts=counts,
+            rollout_is_weights=mb.get("rollout_is_weights"),
         )
         aggregate = lambda x: losses.agg_loss(
             x, mask, actor.loss_agg_mode, actor.loss_scale_factor or None, counts
@@ -681,7 +735,10 @@ def make_phases(
         guard (`ok` not None) the update is applied only while everything so far is finite:
         a select fused into the optimizer's elementwise update, so no second copy of the state."""
         state, actor_on, ok = carry
-        counts = {"policy": losses.batch_counts(mb["response_mask"])}  # the whole mini-batch's
+        # the whole mini-batch's normalisers; under rejection (verl's trainer): the tokens left,
+        # but every response row for the seq-mean modes
+        counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
+        counts["policy"]["seqs"] = losses.batch_counts(mb["response_mask"])["seqs"]
         if use_critic:
             counts["value"] = losses.batch_counts(mb["critic_mask"])
         base = state.ref_params if lora_on(cfg) else None
@@ -713,6 +770,7 @@ def make_phases(
         applied only if `ok` and it and every update before it in this step are finite."""
         keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
         keys += [] if on_policy else ["old_log_prob"]
+        keys += [k for k in ("policy_mask", "rollout_is_weights") if k in exp]
         keys += ["ref_log_prob"] if use_ref else []
         keys += ["values", "returns", "critic_mask"] if use_critic else []
         data = {k: exp[k] for k in keys}

@@ -32,6 +32,10 @@ def actor_cfg(**kw):
         clip_ratio_high=None,
         clip_ratio_c=3.0,
         loss_scale_factor=None,
+        dro_beta=0.1,
+        rollout_correction=dict(
+            rollout_is="token", rollout_is_threshold="2.0", rollout_rs="", loss_type="ppo_clip"
+        ),
     )
     base.update(kw)
     return ml_collections.ConfigDict(base)
@@ -244,17 +248,17 @@ def test_reinforce_plus_plus():
     r = np.array([[0.5, 0, 1, 0], [0.2, 0, -1, 2], [0, 0.3, 0, 1]], np.float32)
     gamma = 0.9
     expected_ret = np.zeros_like(r)
-    for b in range(3):  # G_t = r_t + gamma * carry; the carry restarts after a masked position
+    for b in range(3):  # G_t = r_t + gamma * carry; a masked position passes the carry through
         carry = 0.0
         for t in reversed(range(4)):
             expected_ret[b, t] = r[b, t] + gamma * carry
-            carry = expected_ret[b, t] if m[b, t] else 0.0
+            carry = expected_ret[b, t] if m[b, t] else carry
     adv, ret = adv_lib.compute(
         "reinforce_plus_plus", token_level_rewards=r, response_mask=m, config=algo_cfg(gamma=gamma)
     )
     close(ret, expected_ret * m)
     close(adv, np_whiten(expected_ret, m) * m)
-    close(ret[1, 0], 0.2)  # the hole at t=1 cuts the return
+    close(ret[1, 0], 0.2 + 0.9 * (-1 + 0.9 * 2))  # the hole at t=1 is skipped (verl 0.9.1)
 
 
 def test_reinforce_plus_plus_baseline():
@@ -411,13 +415,19 @@ def test_gspo_value_and_gradient():
     seq = ((new - old) * m).sum(1) / m.sum(1)
     r = np.exp(seq)[:, None]
     l1, l2 = -adv * r, -adv * np.clip(r, 0.8, 1.2)
-    # loss_agg_mode is ignored: always seq-mean-token-mean
+    # verl 0.9.1 aggregates with the caller's loss_agg_mode (older verl forced seq-mean-token-mean)
     loss, metrics = run_loss("gspo", old, new, adv, m, "token-mean")
-    close(loss, np_seq_mean_token_mean(np.maximum(l1, l2), m))
+    close(loss, (np.maximum(l1, l2) * m).sum() / m.sum())
+    loss_seq, _ = run_loss("gspo", old, new, adv, m, "seq-mean-token-mean")
+    close(loss_seq, np_seq_mean_token_mean(np.maximum(l1, l2), m))
     close(metrics["actor/pg_clipfrac"], ((l2 > l1) * m).sum() / m.sum())
     close(metrics["actor/ppo_kl"], ((old - new) * m).sum() / m.sum())
     assert np.all(np.abs(seq) < np.log(1.2))  # nothing clipped: the gradient below is the full one
     grad = jax.grad(lambda lp: run_loss("gspo", old, lp, adv, m)[0])(jnp.asarray(new))
+    close(grad, -adv * r * m / m.sum())
+    grad = jax.grad(lambda lp: run_loss("gspo", old, lp, adv, m, "seq-mean-token-mean")[0])(
+        jnp.asarray(new)
+    )
     close(grad, -adv * r * m / m.sum(1, keepdims=True) / 3)
 
 
@@ -590,8 +600,9 @@ def test_every_loss_reports_the_same_metric_keys():
     old, new, adv, m = random_case(6)
     for name in loss_lib.policy_loss_names():
         _, metrics = run_loss(name, old, new, adv, m)
+        extra = [k for k in metrics if k.startswith("rollout_corr/")] if name == "bypass_mode" else []
         assert sorted(metrics) == sorted(
-            ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"]
+            ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + extra
         ), name
 
 
@@ -620,7 +631,8 @@ AGG_MASK = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], np.float32)
         ("token-mean", (1 + 2 + 4) / 3),
         ("seq-mean-token-sum", (3 + 4) / 2),  # the all-padding row is not counted
         ("seq-mean-token-mean", (1.5 + 4) / 2),
-        ("seq-mean-token-sum-norm", (3 + 4) / 3),  # default factor: T = 3
+        ("token-sum", 1 + 2 + 4),
+        ("seq-mean-token-sum-norm", (3 + 4) / 2 / 3),  # mean over 2 rows, default factor T = 3
     ],
 )
 def test_agg_modes(mode, expected):
@@ -629,7 +641,7 @@ def test_agg_modes(mode, expected):
 
 def test_agg_sum_norm_with_scale_factor():
     close(
-        loss_lib.agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=10), 0.7
+        loss_lib.agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=10), 0.35
     )
 
 
@@ -755,6 +767,8 @@ def all_outputs(x, mask):
             reward_baselines=jnp.array([0.1, 0.2, 0.3, 0.4]),
             old_log_prob=x["old"],
             threshold=1.0,
+            sum_pi_squared=jnp.abs(x["values"]),
+            rollout_is_weights=jnp.abs(x["adv"]),
             config=cfg,
         )
     for name in loss_lib.policy_loss_names():
@@ -812,7 +826,7 @@ def test_unknown_names_raise_and_list_valid_names():
         (
             lambda: kl_lib.kl_penalty(x, x, "k4"),
             "k4",
-            ["abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse"],
+            kl_lib.kl_kinds(),
         ),
         (lambda: kl_lib.kl_ctrl_init(kl_algo_cfg(type="pid")), "pid", ["adaptive", "fixed"]),
     ]

@@ -48,14 +48,23 @@ GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
 Estimator = Callable[..., Any]  # -> (advantages, returns) or a dict (see the module docstring)
 ESTIMATORS: dict[str, Estimator] = {}
 _NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
-_OPTIONAL_INPUTS = ("index", "values", "reward_baselines", "old_log_prob", "threshold")
+_OPTIONAL_INPUTS = (
+    "index",
+    "values",
+    "reward_baselines",
+    "old_log_prob",
+    "threshold",
+    "sum_pi_squared",
+    "rollout_is_weights",
+)
 _add = registrar(ESTIMATORS, "advantage estimator")
 
 
 def register(name: str, needs: Sequence[str] = ()):
     """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values,
-    reward_baselines, old_log_prob, threshold, config)` under `name` (take `**_` for the inputs
-    you do not use); `needs` names the optional inputs it cannot run without."""
+    reward_baselines, old_log_prob, threshold, sum_pi_squared, rollout_is_weights, config)` under
+    `name` (take `**_` for the inputs you do not use); `needs` names the optional inputs it cannot
+    run without."""
     unknown = set(needs) - set(_OPTIONAL_INPUTS)
     if unknown:
         raise ValueError(f"unknown inputs {sorted(unknown)}; valid: {', '.join(_OPTIONAL_INPUTS)}.")
@@ -89,14 +98,18 @@ def compute(
     reward_baselines: jax.Array | None = None,
     old_log_prob: jax.Array | None = None,
     threshold: jax.Array | None = None,
+    sum_pi_squared: jax.Array | None = None,
+    rollout_is_weights: jax.Array | None = None,
     config,
 ) -> tuple[jax.Array, jax.Array]:
     """Advantages and returns [B, T] of the estimator registered as `name` (static under jit).
 
     `config` is the run config's `algorithm` section (an ml_collections.ConfigDict); each
-    estimator reads its own fields with defaults (see its docstring). `old_log_prob` [B, T] and
-    `threshold` (float32 scalar) are needed by `group_ppo` only. Same as `compute_full(...)`'s
-    "advantages" and "returns".
+    estimator reads its own fields with defaults (see its docstring). `old_log_prob` [B, T] is
+    read by `group_ppo` and the optimal-token-baseline estimators, `threshold` (float32 scalar)
+    by `group_ppo`, `sum_pi_squared` [B, T] (sum_v pi_old(v)^2 at each position) and the optional
+    `rollout_is_weights` [B, T] by the optimal-token-baseline estimators. Same as
+    `compute_full(...)`'s "advantages" and "returns".
     """
     out = compute_full(
         name,
@@ -107,6 +120,8 @@ def compute(
         reward_baselines=reward_baselines,
         old_log_prob=old_log_prob,
         threshold=threshold,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
         config=config,
     )
     return out["advantages"], out["returns"]
@@ -122,6 +137,8 @@ def compute_full(
     reward_baselines: jax.Array | None = None,
     old_log_prob: jax.Array | None = None,
     threshold: jax.Array | None = None,
+    sum_pi_squared: jax.Array | None = None,
+    rollout_is_weights: jax.Array | None = None,
     config,
 ) -> dict[str, Any]:
     """Everything the fused step needs from the estimator `name`, the same keys for every name:
@@ -142,6 +159,8 @@ def compute_full(
         "reward_baselines": reward_baselines,
         "old_log_prob": old_log_prob,
         "threshold": threshold,
+        "sum_pi_squared": sum_pi_squared,
+        "rollout_is_weights": rollout_is_weights,
     }
     missing = [k for k in _NEEDS[name] if given[k] is None]
     if missing:
@@ -166,6 +185,12 @@ def compute_full(
     if threshold is not None:
         threshold = jnp.asarray(threshold, jnp.float32)
         chex.assert_shape(threshold, ())
+    if sum_pi_squared is not None:
+        chex.assert_equal_shape([mask, sum_pi_squared])
+        sum_pi_squared = zero_masked(jnp.asarray(sum_pi_squared, jnp.float32), mask)
+    if rollout_is_weights is not None:
+        chex.assert_equal_shape([mask, rollout_is_weights])
+        rollout_is_weights = zero_masked(jnp.asarray(rollout_is_weights, jnp.float32), mask)
     rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
     out = estimator(
@@ -176,6 +201,8 @@ def compute_full(
         reward_baselines=reward_baselines,
         old_log_prob=old_log_prob,
         threshold=threshold,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
         config=config,
     )
     if not isinstance(out, Mapping):
@@ -258,13 +285,15 @@ def gae(*, token_level_rewards, response_mask, values, config, **_):
 
 
 @register("grpo", needs=("index",))
+@register("grpo_vectorized", needs=("index",))
 def grpo(*, token_level_rewards, response_mask, index, config, **_):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300); Dr.GRPO (arXiv:2503.20783).
 
     s_b = sum_t r[b, t]; per group: mean and unbiased std (a group of one: mean 0, std 1).
         A_b = (s_b - mean) / (std + 1e-6)    if norm_adv_by_std_in_grpo (default True)
         A_b =  s_b - mean                    otherwise (Dr.GRPO)
-    broadcast over the row's valid tokens; returns = advantages.
+    broadcast over the row's valid tokens; returns = advantages. Also registered as
+    `grpo_vectorized` (verl's segment-op version of the same maths).
     Config: norm_adv_by_std_in_grpo (True).
     """
     scores = jnp.sum(token_level_rewards, axis=-1)
@@ -309,6 +338,15 @@ def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
     return adv, adv
 
 
+def _rloo(token_level_rewards, response_mask, index, singleton_keeps_score):
+    scores = jnp.sum(token_level_rewards, axis=-1)
+    n, mean, _ = _group_moments(scores, index)
+    scale = n / jnp.maximum(n - 1.0, 1.0)
+    alone = scores if singleton_keeps_score else jnp.zeros_like(scores)
+    adv = _broadcast(jnp.where(n > 1, scores * scale - mean * scale, alone), response_mask)
+    return adv, adv
+
+
 @register("rloo", needs=("index",))
 def rloo(*, token_level_rewards, response_mask, index, **_):
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740).
@@ -316,29 +354,31 @@ def rloo(*, token_level_rewards, response_mask, index, **_):
     For a group of n > 1: A_b = s_b * n/(n-1) - mean * n/(n-1) = s_b - mean of the other n-1;
     a group of one keeps A_b = s_b. Broadcast over valid tokens; returns = advantages.
     """
-    scores = jnp.sum(token_level_rewards, axis=-1)
-    n, mean, _ = _group_moments(scores, index)
-    scale = n / jnp.maximum(n - 1.0, 1.0)
-    adv = jnp.where(n > 1, scores * scale - mean * scale, scores)
-    adv = _broadcast(adv, response_mask)
-    return adv, adv
+    return _rloo(token_level_rewards, response_mask, index, singleton_keeps_score=True)
+
+
+@register("rloo_vectorized", needs=("index",))
+def rloo_vectorized(*, token_level_rewards, response_mask, index, **_):
+    """`rloo` as verl's vectorised version computes it: the same for groups of n > 1, but a group
+    of one gets A_b = 0 (verl's `rloo` keeps s_b there). jrl's step always has n >= 2."""
+    return _rloo(token_level_rewards, response_mask, index, singleton_keeps_score=False)
 
 
 @register("reinforce_plus_plus")
 def reinforce_plus_plus(*, token_level_rewards, response_mask, config, **_):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262).
 
-    Discounted return-to-go with a masked carry, reverse over t:
-        G_t = r_t + gamma * c_{t+1},   c_t = G_t * mask_t   (c_T = 0)
-    so the return restarts after any masked position. advantages = masked_whiten(G) * mask;
-    returns = G. Config: gamma (1.0).
+    Discounted return-to-go, reverse over t, carry c (c_T = 0):
+        G_t = r_t + gamma * c_{t+1};   c_t = G_t where mask_t = 1, else c_{t+1} (passed through)
+    so rewards propagate past observation tokens (holes) undiscounted by them (verl 0.9.1).
+    advantages = masked_whiten(G) * mask; returns = G * mask. Config: gamma (1.0).
     """
     gamma = config.get("gamma", 1.0)
 
     def step(carry, xs):
         reward, valid = xs
         ret = reward + gamma * carry
-        return jnp.where(valid != 0, ret, 0.0), ret
+        return jnp.where(valid != 0, ret, carry), ret
 
     init = jnp.zeros(response_mask.shape[:1], jnp.float32)
     returns = _reverse_scan(step, init, token_level_rewards, response_mask)
@@ -402,6 +442,107 @@ def gpg(*, token_level_rewards, response_mask, index, config, **_):
     adv = alpha * (scores - jnp.where(n > 1, mean, 0.0)) / config.get("f_norm", 1.0)
     adv = _broadcast(adv, response_mask)
     return adv, adv
+
+
+@register("gdpo", needs=("index",))
+def gdpo(*, token_level_rewards, response_mask, index, config, **_):
+    """GDPO, group reward-decoupled normalisation (arXiv:2601.05242).
+
+    Each reward component k is GRPO-normalised within its group on its own, the components are
+    summed with weights w_k, and the sum is whitened over the batch:
+        A = masked_whiten(sum_k w_k GRPO(r_k)) * mask;  returns = advantages.
+    jrl's rewards give one score per response, so there is one component (w = 1):
+    A = masked_whiten(GRPO(r)) * mask, as verl computes without `gdpo_reward_keys`.
+    Config: norm_adv_by_std_in_grpo (True).
+    """
+    adv, _ = grpo(
+        token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, config=config
+    )
+    adv = masked_whiten(adv, response_mask) * response_mask
+    return adv, adv
+
+
+OTB_EPS = 1e-8  # verl's epsilon in the optimal-token-baseline denominator
+
+
+def _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, mask):
+    """W_t = sum_{j <= t} w_j m_j with w_j = (1 - 2 pi_j + sum_v pi(v)^2) * rho_j^2 (rho = 1
+    without rollout IS weights), and the reward-to-go G_t (callers pass masked rewards)."""
+    w = 1.0 - 2.0 * jnp.exp(old_log_prob) + sum_pi_squared
+    if rollout_is_weights is not None:
+        w = w * jnp.square(rollout_is_weights)
+    return jnp.cumsum(w * mask, axis=-1)
+
+
+def _token_baseline(returns, w_cum, mask, index, members):
+    """(returns - B) * mask with B_t = sum_g(G_t W_t m_t) / (sum_g(W_t m_t) + 1e-8) per group
+    and position (0 for groups of fewer than two `members`), and the zero tail: a group's
+    unique longest row gets B = 0 from the second-longest row's length on."""
+    batch = mask.shape[0]
+    seg = lambda x: jax.ops.segment_sum(x, index, num_segments=batch)[index]  # noqa: E731
+    num, den = seg(returns * w_cum * mask), seg(w_cum * mask) + OTB_EPS
+    n = _group_sum(members.astype(jnp.float32), index)
+    baseline = jnp.where((n > 1)[:, None], num / den, 0.0)
+    lengths = jnp.sum(mask, axis=-1)
+    longest = jax.ops.segment_max(lengths, index, num_segments=batch)[index]
+    n_longest = _group_sum((lengths == longest).astype(jnp.float32), index)
+    second = jax.ops.segment_max(
+        jnp.where(lengths < longest, lengths, 0.0), index, num_segments=batch
+    )[index]
+    tail = (lengths == longest) & (n_longest == 1) & (n > 1)
+    cols = jnp.arange(mask.shape[1])[None, :]
+    baseline = jnp.where(tail[:, None] & (cols >= second[:, None]), 0.0, baseline)
+    return (returns - baseline) * mask
+
+
+def _reward_to_go(rewards):
+    return jnp.flip(jnp.cumsum(jnp.flip(rewards, -1), axis=-1), -1)
+
+
+@register("optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
+def optimal_token_baseline(
+    *, token_level_rewards, response_mask, index, old_log_prob, sum_pi_squared, rollout_is_weights, **_
+):
+    """Optimal token baseline, OTB (verl 0.9.1): a baseline per group and position that minimises
+    the policy-gradient variance under a path-variance proxy.
+
+        G_t = sum_{t' >= t} r_t' m_t'  (reward-to-go);  w_t = 1 - 2 pi_old(y_t) + sum_v pi_old(v)^2
+        (||score||^2 of a softmax policy), times rho_t^2 with rollout IS weights rho;
+        W_t = sum_{j <= t} w_j m_j;  B_t = sum_group(G_t W_t m_t) / (sum_group(W_t m_t) + 1e-8)
+        A_t = (G_t - B_t) m_t;  returns = G.
+    Groups of one: B = 0. Zero tail: a group's unique longest row gets B = 0 from the
+    second-longest length on (no other row estimates it there). Positions are the padded columns
+    (see `tir_optimal_token_baseline` for rows with holes). Needs sum_pi_squared from the old
+    forward (the step computes it when this estimator is chosen).
+    """
+    returns = _reward_to_go(token_level_rewards)
+    w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
+    members = jnp.ones(response_mask.shape[:1], bool)
+    adv = _token_baseline(returns, w_cum, response_mask, index, members)
+    return adv, returns
+
+
+@register("tir_optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
+def tir_optimal_token_baseline(
+    *, token_level_rewards, response_mask, index, old_log_prob, sum_pi_squared, rollout_is_weights, **_
+):
+    """OTB for multi-turn / tool-integrated rollouts (verl 0.9.1): as `optimal_token_baseline`,
+    but each row's valid tokens are first packed to the left (the k-th valid token of every row
+    share one baseline position k, skipping observation holes), empty rows join no group, and the
+    advantages are scattered back to the tokens' own positions. Identical to
+    `optimal_token_baseline` for right-padded rows without holes and empty rows."""
+    returns = _reward_to_go(token_level_rewards)
+    w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
+    b, t = response_mask.shape
+    valid = response_mask != 0
+    slot = jnp.where(valid, jnp.cumsum(response_mask, axis=-1).astype(jnp.int32) - 1, t)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    pack = lambda x: jnp.zeros((b, t), jnp.float32).at[rows, slot].set(x, mode="drop")  # noqa: E731
+    packed_mask = pack(response_mask)
+    members = jnp.sum(response_mask, axis=-1) > 0
+    packed_adv = _token_baseline(pack(returns), pack(w_cum), packed_mask, index, members)
+    adv = jnp.take_along_axis(packed_adv, jnp.minimum(slot, t - 1), axis=-1) * response_mask
+    return adv, returns
 
 
 # GROUP-PPO registers itself as "group_ppo"; imported last because it uses this module.

@@ -7,6 +7,8 @@ action t as everywhere in jrl:
   abs:               |logp - ref|
   mse / k2:          0.5 * (logp - ref)^2
   low_var_kl / k3:   d = clip(ref - logp, -20, 20);  clip(exp(d) - d - 1, -10, 10)
+  <kind>+ (k1+, k3+, low_var_kl+, ...): the value of <kind> with the gradient of k2 (straight
+                     through; verl 0.9.1), for an unbiased KL-loss gradient
 `kl_penalty(logp, ref, kind)` is used both for KL-in-reward (`algorithm.kl_penalty`) and for the
 KL loss (`actor.kl_loss_type`, aggregated with `losses.agg_loss`).
 
@@ -53,6 +55,22 @@ def _k2(logprob, ref_logprob):
 def _k3(logprob, ref_logprob):
     log_ratio = jnp.clip(ref_logprob - logprob, -20.0, 20.0)
     return jnp.clip(jnp.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+
+
+def _straight_through(forward):
+    """`kind+`: the value of `forward`, the gradient of k2 = 0.5 (logp - ref)^2 (verl 0.9.1: k1 and
+    k3 are unbiased for the KL's value but not its gradient; k2's gradient is the right one)."""
+
+    def estimator(logprob, ref_logprob):
+        backward = _k2(logprob, ref_logprob)
+        value = forward(logprob, ref_logprob)
+        return backward - jax.lax.stop_gradient(backward) + jax.lax.stop_gradient(value)
+
+    return estimator
+
+
+for _name, _fn in list(KL_ESTIMATORS.items()):
+    KL_ESTIMATORS[_name + "+"] = _fn if _fn is _k2 else _straight_through(_fn)
 
 
 def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kind: str) -> jax.Array:

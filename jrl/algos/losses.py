@@ -84,15 +84,22 @@ def _seq_mean_token_mean(loss_mat, loss_mask, loss_scale_factor, counts):
 
 
 def _seq_mean_token_sum_norm(loss_mat, loss_mask, loss_scale_factor, counts):
-    """sum over all rows of sum_t(l * m), divided by loss_scale_factor (None -> T, the padded
-    response length). Keep the factor constant through a run (Dr.GRPO's constant normaliser)."""
-    del counts
+    """seq-mean-token-sum (the mean over rows with a valid token of sum_t(l * m)) divided by
+    loss_scale_factor (None -> T, the padded response length), as verl 0.9.1. Keep the factor
+    constant through a run (Dr.GRPO's constant normaliser)."""
     scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-    return masked_sum(loss_mat, loss_mask) / scale
+    return _seq_mean_token_sum(loss_mat, loss_mask, None, counts) / scale
+
+
+def _token_sum(loss_mat, loss_mask, loss_scale_factor, counts):
+    """sum(l * m) over the whole (mini)batch: no normaliser, so micro-batch sums add up as is."""
+    del loss_scale_factor, counts
+    return masked_sum(loss_mat, loss_mask)
 
 
 AGG_MODES = {
     "token-mean": _token_mean,
+    "token-sum": _token_sum,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
@@ -112,7 +119,8 @@ def agg_loss(
     counts: Optional[dict] = None,
 ):
     """Aggregates a per-token loss [B, T] into a scalar; `loss_agg_mode` is static:
-    token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (see above).
+    token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    (see above).
     Entries where loss_mask == 0 never contribute, whatever their value. `counts`
     (`batch_counts` of the whole mini-batch) normalise a micro-batch's share; None: this batch's."""
     aggregate = lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
@@ -136,10 +144,13 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
 # `@register_policy_loss("name")` on `fn(*, old_log_prob, log_prob, advantages, response_mask,
-# aggregate, mean, counts, config, key) -> (loss, metrics)`: `aggregate(loss_mat)` applies the
-# caller's loss_agg_mode (`aggregate(loss_mat, mode=...)` another mode), `mean(x)` is the masked
-# token mean for metrics, `counts` the mini-batch's `batch_counts`; all three normalise by the
-# whole mini-batch (module doc). Metrics may omit keys of METRIC_KEYS (they are reported as 0).
+# aggregate, mean, counts, config, key, rollout_is_weights) -> (loss, metrics)`:
+# `aggregate(loss_mat)` multiplies by the rollout-correction IS weights (when given) and applies
+# the caller's loss_agg_mode (`aggregate(loss_mat, mode=...)` another mode,
+# `aggregate(..., weighted=False)` without the weights), `mean(x)` is the masked token mean for
+# metrics, `counts` the mini-batch's `batch_counts`; all three normalise by the whole mini-batch
+# (module doc). Metrics may omit keys of METRIC_KEYS (they are reported as 0); other keys are
+# passed through as a micro-batch's share of their mean over micro-batches (verl averages them).
 register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
 
 
@@ -159,12 +170,16 @@ def policy_loss(
     config,
     key: Optional[jax.Array] = None,
     counts: Optional[dict] = None,
+    rollout_is_weights: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(scalar loss, metrics) of the policy loss registered as `name` (static under jit).
 
     `config` is the actor section. `key` is only used by `clip_cov` (random choice of the tokens
     to detach, as verl); without it `clip_cov` is deterministic (see its docstring). `counts`:
     `batch_counts` of the whole mini-batch when this is one of its micro-batches (module doc).
+    `rollout_is_weights` [B, T] (rollout correction, `jrl.algos.rollout_corr`; no gradient):
+    every token loss is multiplied by its weight before aggregation (geo_mean: by the row's
+    geometric mean of the weights; bypass_mode computes its own and ignores these), as verl.
     """
     loss_fn = lookup(POLICY_LOSSES, name, "policy loss")
     lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
@@ -174,11 +189,18 @@ def policy_loss(
     old_log_prob, log_prob, advantages = (
         zero_masked(jnp.asarray(x, jnp.float32), mask) for x in (old_log_prob, log_prob, advantages)
     )
+    if rollout_is_weights is not None:
+        chex.assert_equal_shape([mask, rollout_is_weights])
+        rollout_is_weights = jax.lax.stop_gradient(
+            zero_masked(jnp.asarray(rollout_is_weights, jnp.float32), mask)
+        )
     counts = batch_counts(mask) if counts is None else counts
     scale_factor = config.get("loss_scale_factor", None) or None  # 0 / None: T
 
-    def aggregate(loss_mat, mode=loss_agg_mode):
-        return agg_loss(loss_mat, mask, mode, scale_factor, counts)
+    def aggregate(loss_mat, mode=loss_agg_mode, weighted=True, loss_mask=mask):
+        if weighted and rollout_is_weights is not None:
+            loss_mat = loss_mat * rollout_is_weights
+        return agg_loss(loss_mat, loss_mask, mode, scale_factor, counts)
 
     loss, metrics = loss_fn(
         old_log_prob=old_log_prob,
@@ -190,11 +212,12 @@ def policy_loss(
         counts=counts,
         config=config,
         key=key,
+        rollout_is_weights=rollout_is_weights,
     )
-    metrics = {
-        k: jax.lax.stop_gradient(jnp.asarray(metrics.get(k, 0.0), jnp.float32)) for k in METRIC_KEYS
-    }
-    return loss, metrics
+    share = mask.shape[0] / counts["rows"]  # this micro-batch's share of the mini-batch's rows
+    out = {k: jnp.asarray(metrics.get(k, 0.0), jnp.float32) for k in METRIC_KEYS}
+    out.update({k: v * share for k, v in metrics.items() if k not in METRIC_KEYS})
+    return loss, jax.lax.stop_gradient(out)
 
 
 def _clip_range(config):
@@ -243,6 +266,110 @@ def vanilla(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_)
     return aggregate(losses), metrics
 
 
+def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, valid_mask_fn):
+    """DPPO's shared body: a TIS-truncated, detached ratio times -A log_prob on the tokens the
+    divergence test `valid_mask_fn(log_prob, old_log_prob, eps_low, eps_high) -> (keep if A > 0,
+    keep if A <= 0)` keeps."""
+    low, high = _clip_range(config)
+    clip_ratio_c = config.get("clip_ratio_c", 20.0)
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    truncated = jax.lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
+    keep_pos, keep_neg = valid_mask_fn(log_prob, old_log_prob, low, high)
+    valid = jax.lax.stop_gradient(jnp.where(advantages > 0, keep_pos, keep_neg).astype(jnp.float32))
+    losses = -advantages * truncated * log_prob * valid
+    metrics = {
+        "actor/pg_clipfrac": mean(1.0 - valid),
+        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac_lower": mean((ratio > clip_ratio_c).astype(jnp.float32) * valid),
+    }
+    return aggregate(losses), metrics
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+    """DPPO-Binary-TV, divergence-constrained PPO (arXiv:2602.04879).
+
+        ratio = exp(clip(log_ratio, -20, 20));  w = sg(min(ratio, clip_ratio_c))  (TIS, no dual clip)
+        keep_t = (p_t - p_old_t <= eps_high) if A_t > 0 else (p_t - p_old_t >= -eps_low),  p = exp(log_prob)
+        loss_t = -A_t w_t log_prob_t keep_t, aggregated with loss_agg_mode
+    clip_ratio / clip_ratio_low / clip_ratio_high are total-variation bounds on the token
+    probability here, not ratio bounds. pg_clipfrac = mean_m(1 - keep); pg_clipfrac_lower =
+    mean_m(ratio > clip_ratio_c and keep). Config: clip_ratio(_low/_high), clip_ratio_c.
+    """
+
+    def keep(log_prob, old_log_prob, low, high):
+        diff = jnp.exp(log_prob) - jnp.exp(old_log_prob)
+        return diff <= high, diff >= -low
+
+    return _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, keep)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+    """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL of the token event
+        d_t = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    keep_t = (d_t <= eps_high or p <= p_old) if A_t > 0 else (d_t <= eps_low or p >= p_old).
+    Config: clip_ratio(_low/_high) (KL bounds here), clip_ratio_c.
+    """
+
+    def keep(log_prob, old_log_prob, low, high):
+        prob, old_prob = jnp.exp(log_prob), jnp.exp(old_log_prob)
+        d = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * jnp.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
+        return (d <= high) | (prob <= old_prob), (d <= low) | (prob >= old_prob)
+
+    return _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, keep)
+
+
+@register_policy_loss("dro")
+def dro(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+    """Direct reward optimisation with a quadratic log-ratio penalty (Richemond et al. 2024,
+    arXiv:2405.19107):  loss_t = -(log_prob_t A_t - 0.5 dro_beta log_ratio_t^2), aggregated with
+    loss_agg_mode. No clipping. Config: dro_beta (> 0, required)."""
+    beta = positive_field(config, "dro_beta", 0.0)
+    log_ratio = log_prob - old_log_prob
+    losses = -(log_prob * advantages - 0.5 * beta * jnp.square(log_ratio))
+    return aggregate(losses), {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
+
+
+@register_policy_loss("bypass_mode")
+def bypass_mode(
+    *, old_log_prob, log_prob, advantages, response_mask, aggregate, counts, config, **_
+):
+    """Bypass mode of rollout correction (verl 0.9.1): old_log_prob IS the rollout's log-prob (the
+    old-log-prob forward is skipped). IS weights and the rejection mask are computed here from
+    sg(log_prob) vs old_log_prob (`jrl.algos.rollout_corr.correct`, settings from
+    config.rollout_correction), then with m' = the rejection-masked response_mask:
+      loss_type ppo_clip:   `vanilla` on m' (its ratio already corrects; no IS weights)
+      loss_type reinforce:  loss_t = -A_t log_prob_t w_t on m'; actor/ppo_kl = mean_m'(old - new)
+    Aggregation normalises by the mini-batch's counts before rejection (verl's global batch
+    info). Metrics also carry rollout_corr/* of the evolving policy (averaged over micro-batches).
+    Caller-given rollout_is_weights are ignored.
+    """
+    from jrl.algos import rollout_corr  # noqa: PLC0415 (rollout_corr imports nothing from here)
+
+    parsed = rollout_corr.settings(config.get("rollout_correction", None) or {})
+    weights, kept, corr_metrics = rollout_corr.correct(log_prob, old_log_prob, response_mask, parsed)
+    share = response_mask.shape[0] / counts["rows"]  # verl averages metrics over micro-batches
+    kept_mean = lambda x: masked_mean(x, kept) * share  # noqa: E731
+    if parsed["loss_type"] == "reinforce":
+        losses = -advantages * log_prob * (1.0 if weights is None else weights)
+        loss = aggregate(losses, weighted=False, loss_mask=kept)
+        metrics = {"actor/ppo_kl": kept_mean(old_log_prob - log_prob)}
+    else:
+        loss, metrics = vanilla(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            aggregate=lambda x: aggregate(x, weighted=False, loss_mask=kept),
+            mean=kept_mean,
+            config=config,
+        )
+    return loss, {**metrics, **corr_metrics}
+
+
 @register_policy_loss("gspo")
 def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, **_):
     """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
@@ -250,8 +377,9 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
         s_b = sum_t(log_ratio * m) / max(|y_b|, 1)          (sequence log-ratio, length-normalised)
         log r_t = log_prob_t - sg(log_prob_t) + sg(s_b), clamped above at 10
         loss_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))
-    The value of r_t is exp(s_b) on every token; its gradient is r_t d log_prob_t. Always
-    aggregated with seq-mean-token-mean (loss_agg_mode is ignored, as in verl).
+    The value of r_t is exp(s_b) on every token; its gradient is r_t d log_prob_t. Aggregated
+    with the caller's loss_agg_mode (verl 0.9.1; the paper and older verl use seq-mean-token-mean,
+    so set actor.loss_agg_mode=seq-mean-token-mean for the paper's objective).
     pg_clipfrac = mean_m(l2 > l1). Config: clip_ratio, clip_ratio_low, clip_ratio_high.
     """
     log_ratio = log_prob - old_log_prob
@@ -262,7 +390,7 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
     )
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
     l1, l2 = _ppo_clip_terms(advantages, ratio, config)
-    loss = aggregate(jnp.maximum(l1, l2), mode="seq-mean-token-mean")
+    loss = aggregate(jnp.maximum(l1, l2))
     metrics = {
         "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
         "actor/ppo_kl": _ppo_kl(log_ratio, mean),
@@ -271,13 +399,17 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
 
 
 @register_policy_loss("geo_mean")
-def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, mean, counts, config, **_):
+def geo_mean(
+    *, old_log_prob, log_prob, advantages, response_mask, mean, counts, config, rollout_is_weights, **_
+):
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
 
     Token log-ratios are clipped one-sidedly by the sign of A, then averaged per sequence:
         c_t = clip(log_ratio_t, -eps_low, eps_high);  k_t = sign(A_t) min(sign(A_t) log_ratio_t, sign(A_t) c_t)
         R_b = exp(sum_t(k_t m) / (|y_b| + 1e-8));  A_b = sum_t(A_t m) / (|y_b| + 1e-8)
-        loss = mean over all B rows of -A_b R_b          (loss_agg_mode is ignored, as in verl)
+        loss = mean over all B rows of -A_b R_b w_b       (loss_agg_mode is ignored, as in verl)
+    with rollout IS weights w [B, T]: w_b = exp(sum_t(log(w_t + 1e-10) m) / (|y_b| + 1e-8)) (their
+    geometric mean over the row); without them w_b = 1.
     pg_clipfrac = mean_m(log_ratio != c and A > 0); pg_clipfrac_lower = same with A < 0.
     Config: clip_ratio, clip_ratio_low, clip_ratio_high.
     """
@@ -289,7 +421,11 @@ def geo_mean(*, old_log_prob, log_prob, advantages, response_mask, mean, counts,
     lengths = jnp.sum(response_mask, axis=-1) + 1e-8
     seq_ratio = jnp.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
     seq_adv = masked_sum(advantages, response_mask, axis=-1) / lengths
-    loss = jnp.sum(-seq_adv * seq_ratio) / counts["rows"]  # the mean over the mini-batch's rows
+    row_losses = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        log_w = masked_sum(jnp.log(rollout_is_weights + 1e-10), response_mask, axis=-1)
+        row_losses = row_losses * jnp.exp(log_w / lengths)
+    loss = jnp.sum(row_losses) / counts["rows"]  # the mean over the mini-batch's rows
     was_clipped = log_ratio != clamped
     metrics = {
         "actor/pg_clipfrac": mean((was_clipped & (advantages > 0)).astype(jnp.float32)),
