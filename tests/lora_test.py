@@ -341,3 +341,27 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
     base_q = safetensors.numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
     name = "model.layers.1.self_attn.q_proj.weight"
     np.testing.assert_allclose(merged_q[name], base_q[name] + 8.0 * b @ a, atol=1e-6)
+
+
+def test_peft_loads_the_adapter_export(tmp_path):
+    """scripts/check_peft_export.py: PEFT's PeftModel.from_pretrained on the HF base, with jrl's
+    --adapter_only export of a LoRA run (and of large random adapters), computes jrl's logits
+    to 1e-4; so does the merged export through transformers. Needs an interpreter with torch,
+    transformers and peft: $JRL_PEFT_PYTHON, or this one if it has them; skipped otherwise."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    peft_python = os.environ.get("JRL_PEFT_PYTHON")
+    if not peft_python:
+        if not all(importlib.util.find_spec(m) for m in ("peft", "torch")):
+            pytest.skip("peft / torch not importable; set JRL_PEFT_PYTHON to an interpreter with them")
+        peft_python = sys.executable
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "check_peft_export.py")
+    out = subprocess.run(
+        [sys.executable, script, f"--peft_python={peft_python}", f"--out={tmp_path}"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root},
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert '"max_abs_logit_diff"' in out.stdout
