@@ -259,9 +259,24 @@ def test_dropout_changes_the_update_only():
         assert float(drop[name]) != float(drop_next[name]), name
 
 
-def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
-    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 2
-    reaches step 3's metrics and state exactly; a changed base is refused in one line; the merged
+@pytest.fixture
+def compile_cache(tmp_path):
+    """A persistent compilation cache for one test: runs of the same config in one process
+    (a run and its resume) compile each program once."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path / "compile_cache"))
+    jax.config.update(names[1], 0.0)
+    jax.config.update(names[2], 0)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
+def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile_cache):
+    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 1
+    reaches step 2's metrics and state exactly; a changed base is refused in one line; the merged
     export computes the adapted model's logits; the PEFT export has PEFT's names and shapes."""
     import json
     import shutil
@@ -285,13 +300,15 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
     cfg = _grpo_lora_cfg()
     cfg.model.hf_path, cfg.tokenizer, cfg.warmup.sft_steps = hf_dir, "", 0
     cfg.checkpoint.every_steps, cfg.checkpoint.async_save, cfg.checkpoint.max_to_keep = 1, False, 0
+    cfg.total_steps, cfg.data.train_batch_size, cfg.rollout.n = 2, 2, 2  # 2 updates per step
+    cfg.actor.ppo_mini_batch_size, cfg.task.eval_size = 1, 4
     first, second = str(tmp_path / "run"), str(tmp_path / "resumed")
     train.run(cfg, first)
     reference = os.path.join(first, checkpoint_lib.REFERENCE_DIR)
     assert not os.path.exists(reference) or not os.listdir(reference)  # no base saved
     shutil.copytree(first, second)
-    shutil.rmtree(os.path.join(second, "checkpoints", "3"))
-    train.run(cfg, second)  # resumes from step 2
+    shutil.rmtree(os.path.join(second, "checkpoints", "2"))
+    train.run(cfg, second)  # resumes from step 1
     rows = [
         [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         for d in (first, second)
