@@ -252,7 +252,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.lora.target_modules = (  # adapted projections of every block (Hugging Face names)
         "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     )
-    c.lora.dropout = 0.0  # dropout on the adapters' input; only 0 is supported
+    c.lora.dropout = 0.0  # dropout probability on the adapters' input in the update (PEFT's)
 
     c.warmup = ml_collections.ConfigDict()
     c.warmup.sft_steps = (
@@ -454,9 +454,9 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
     for name in names:
         _choice("lora.target_modules entry", name, lora.TARGETS)
     _check(
-        c.dropout == 0,
-        f"lora.dropout={c.dropout} is not supported (adapters train without dropout); set "
-        f"--config.lora.dropout=0.",
+        0 <= c.dropout < 1,
+        f"lora.dropout={c.dropout} must be in [0, 1) (the probability of dropping an adapter "
+        f"input); e.g. --config.lora.dropout=0.05.",
     )
 
 

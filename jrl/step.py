@@ -179,11 +179,19 @@ def init_lora(cfg, critic_cfg, params, key):
     return trainable, critic, base
 
 
-def _with_base(cfg, base, trainable):
-    """The full params of a model from its trainable part (see `init_lora`)."""
+def _with_base(cfg, base, trainable, dropout_key=None):
+    """The full params of a model from its trainable part (see `init_lora`); with a
+    `dropout_key` (the update's training forwards) and lora.dropout > 0 the adapters' inputs are
+    dropped (`lora.with_dropout`)."""
     if not lora_on(cfg) or trainable is None:
         return trainable
-    return lora_lib.combine(base, trainable, lora_lib.scale(cfg.lora))
+    full = lora_lib.combine(base, trainable, lora_lib.scale(cfg.lora))
+    return lora_lib.with_dropout(full, cfg.lora.dropout, dropout_key)
+
+
+def lora_dropout_on(cfg) -> bool:
+    """Whether the update's forwards drop adapter inputs (LoRA with lora.dropout > 0)."""
+    return lora_on(cfg) and cfg.lora.dropout > 0
 
 
 def policy_params(cfg, state: TrainState):
@@ -429,21 +437,25 @@ def in_micro_batches(fn: Callable, rows, k: int):
     return join_rows(jax.lax.map(fn, split_rows(rows, k)))
 
 
-def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args):
+def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None):
     """(gradient, metrics) of `loss_fn(params, batch, *args) -> (loss, metrics)` over `batch` in k
     micro-batches: one forward / backward each (`lax.scan`), gradients summed in float32. The loss
     and every metric of a micro-batch must be its share of the whole batch's (normalised by the
-    whole batch: `losses.batch_counts`), so the sums equal the whole batch's."""
+    whole batch: `losses.batch_counts`), so the sums equal the whole batch's. With a `key` (LoRA
+    dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
+    keys = None if key is None else jax.random.split(key, k)
+    with_key = lambda kk: {} if kk is None else {"key": kk}
     if k == 1:
-        return grad_fn(params, batch, *args)
+        return grad_fn(params, batch, *args, **with_key(None if keys is None else keys[0]))
 
-    def micro(acc, mb):
-        grads, metrics = grad_fn(params, mb, *args)
+    def micro(acc, xs):
+        mb, kk = xs
+        grads, metrics = grad_fn(params, mb, *args, **with_key(kk))
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
 
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-    grads, metrics = jax.lax.scan(micro, zeros, split_rows(batch, k))
+    grads, metrics = jax.lax.scan(micro, zeros, (split_rows(batch, k), keys))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
@@ -714,10 +726,11 @@ def make_phases(
         }
         return vf_loss, metrics
 
-    def actor_loss(params, mb, actor_on, counts, base):
+    def actor_loss(params, mb, actor_on, counts, base, key=None):
         """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains. `base`: the
-        frozen base under LoRA (`params` are then the adapters), else None."""
-        out = forward(model_cfg, _with_base(cfg, base, params), mb, with_entropy=True)
+        frozen base under LoRA (`params` are then the adapters), else None. `key`: the
+        micro-batch's LoRA dropout key (lora.dropout > 0), else None."""
+        out = forward(model_cfg, _with_base(cfg, base, params, key), mb, with_entropy=True)
         loss, metrics = policy_terms(out, mb, counts["policy"])
         loss = actor_on * loss
         if shared:
@@ -726,15 +739,20 @@ def make_phases(
             metrics.update(vf_metrics)
         return loss, metrics
 
-    def critic_loss(critic_params, mb, counts, base):
-        out = forward(critic_cfg, _with_base(cfg, base, critic_params), mb)
+    def critic_loss(critic_params, mb, counts, base, key=None):
+        out = forward(critic_cfg, _with_base(cfg, base, critic_params, key), mb)
         return value_terms(out, mb, counts["value"])
 
-    def update_minibatch(carry, mb):
-        """One optimizer update of the policy (and the critic) on a mini-batch. Under the NaN
-        guard (`ok` not None) the update is applied only while everything so far is finite:
-        a select fused into the optimizer's elementwise update, so no second copy of the state."""
+    def update_minibatch(carry, xs):
+        """One optimizer update of the policy (and the critic) on a mini-batch `xs` = (rows,
+        LoRA dropout key or None). Under the NaN guard (`ok` not None) the update is applied only
+        while everything so far is finite: a select fused into the optimizer's elementwise
+        update, so no second copy of the state."""
         state, actor_on, ok = carry
+        mb, dropout_key = xs
+        actor_key = critic_key = None
+        if dropout_key is not None:  # policy and critic adapters draw their own masks
+            actor_key, critic_key = jax.random.split(dropout_key)
         # the whole mini-batch's normalisers; under rejection (verl's trainer): the tokens left,
         # but every response row for the seq-mean modes
         counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
@@ -743,14 +761,14 @@ def make_phases(
             counts["value"] = losses.batch_counts(mb["critic_mask"])
         base = state.ref_params if lora_on(cfg) else None
         grads, metrics = accumulate_grads(
-            actor_loss, state.params, mb, micro["actor"], actor_on, counts, base
+            actor_loss, state.params, mb, micro["actor"], actor_on, counts, base, key=actor_key
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         metrics["actor/grad_norm"] = optax.tree.norm(grads)
         new = {"params": optax.apply_updates(state.params, updates), "opt_state": opt_state}
         if use_critic and not shared:
             grads, critic_metrics = accumulate_grads(
-                critic_loss, state.critic_params, mb, micro["critic"], counts, base
+                critic_loss, state.critic_params, mb, micro["critic"], counts, base, key=critic_key
             )
             updates, critic_opt = critic_tx.update(
                 grads, state.critic_opt_state, state.critic_params
@@ -784,7 +802,10 @@ def make_phases(
             mbs = jax.tree_util.tree_map(
                 lambda x: x[perm].reshape(num_mb, mb_rows, *x.shape[1:]), data
             )
-            return jax.lax.scan(update_minibatch, carry, mbs)
+            dropout_keys = None  # one per mini-batch: fresh masks at every update
+            if lora_dropout_on(cfg):
+                dropout_keys = jax.random.split(jax.random.fold_in(key, 1), num_mb)
+            return jax.lax.scan(update_minibatch, carry, (mbs, dropout_keys))
 
         (state, _, _), metrics = jax.lax.scan(
             epoch, (state, actor_on, ok), jax.random.split(key, actor.ppo_epochs)

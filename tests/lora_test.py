@@ -91,7 +91,7 @@ def test_lora_config_errors():
         ("rank", -1, "lora.rank=-1"),
         ("target_modules", "q_proj,qproj", "did you mean 'q_proj'"),
         ("target_modules", "", "lora.target_modules is empty"),
-        ("dropout", 0.1, "lora.dropout=0.1"),
+        ("dropout", 1.0, "lora.dropout=1.0"),
         ("alpha", 0.0, "lora.alpha=0.0"),
     ):
         bad = config_lib.base_config()
@@ -99,6 +99,67 @@ def test_lora_config_errors():
         bad.lora[field] = value
         with pytest.raises(config_lib.ConfigError, match=words.replace("(", r"\(")):
             config_lib.validate(bad)
+
+
+def test_dropout_drops_only_the_adapter_input(model):
+    """lora.dropout: rate 0 (or no key) leaves the params as they are; the base projection never
+    sees dropped inputs (fresh adapters with dropout compute the base exactly); masks depend on
+    the key and are the same on the layer-by-layer and the rematerialised scan paths; and the
+    adapter's output averaged over masks is the undropped one (x * mask / (1 - p))."""
+    params, base, trainable = model
+    s = lora.scale(LORA)
+    full = lora.combine(base, trainable, s)
+    assert lora.with_dropout(full, 0.0, jax.random.key(0)) is full
+    assert lora.with_dropout(full, 0.3, None) is full
+    _, fresh = lora.init_trainable(params, LORA, jax.random.key(1))
+    dropped = lora.with_dropout(lora.combine(base, fresh, s), 0.5, jax.random.key(4))
+    np.testing.assert_array_equal(_logits(CFG, dropped), _logits(CFG, params))
+    want = _logits(CFG, full)
+    one, two = (_logits(CFG, lora.with_dropout(full, 0.3, jax.random.key(k))) for k in (5, 6))
+    assert np.abs(np.asarray(one - want)).max() > 1e-3 and np.abs(np.asarray(one - two)).max() > 1e-3
+    remat = dataclasses.replace(CFG, remat="block")
+    np.testing.assert_allclose(
+        _logits(remat, lora.with_dropout(full, 0.3, jax.random.key(5))), one, atol=1e-5
+    )
+
+    # One MLP: down_proj's adapter output is linear in its input, so E[mask / (1 - p)] = 1.
+    mlp = tfm.MLP(CFG)
+    layer0 = jax.tree.map(lambda a: a[0], base["layers"]["mlp"])
+    adapters = {"down_proj": jax.tree.map(lambda a: a[0], full["lora"]["layers"]["mlp"]["down_proj"])}
+    x = jax.random.normal(jax.random.key(7), (1, 3, 32))
+    apply = lambda lora_vars: mlp.apply({"params": layer0, "lora": lora_vars}, x)
+    plain = apply(adapters)
+    no_adapter = apply({})
+
+    def sample(key):
+        keyed = lora.with_dropout({"lora": {"layers": {"mlp": {"down_proj": full["lora"]["layers"]["mlp"]["down_proj"]}}}}, 0.5, key)
+        ab = jax.tree.map(lambda a: a[0], keyed["lora"]["layers"]["mlp"]["down_proj"])
+        return apply({"down_proj": ab}) - no_adapter
+
+    samples = jax.vmap(sample)(jax.random.split(jax.random.key(8), 4000))
+    delta = np.asarray(plain - no_adapter)
+    assert np.abs(np.asarray(samples[0]) - delta).max() > 0.1 * np.abs(delta).max()
+    sem = np.asarray(samples.std(0)) / np.sqrt(4000)
+    assert np.all(np.abs(np.asarray(samples.mean(0)) - delta) < 5 * sem + 1e-6)
+
+
+def test_accumulate_grads_gives_each_micro_batch_its_own_key():
+    """With a key, micro-batch i of k sees split(key, k)[i] (fresh dropout masks per micro-batch)."""
+    from jrl import step as step_lib
+
+    def loss_fn(w, mb, key):
+        u = jax.random.uniform(key, w.shape)
+        return jnp.sum(w * u) * jnp.sum(mb["x"]), {"n": jnp.sum(mb["x"])}
+
+    w, key = jnp.ones(3), jax.random.key(9)
+    batch = {"x": jnp.ones((4, 1))}
+    grads, metrics = step_lib.accumulate_grads(loss_fn, w, batch, 2, key=key)
+    u0, u1 = (jax.random.uniform(k, (3,)) for k in jax.random.split(key, 2))
+    assert np.abs(np.asarray(u0 - u1)).min() > 0
+    np.testing.assert_allclose(grads, 2 * u0 + 2 * u1, rtol=1e-6)
+    assert float(metrics["n"]) == 4
+    grads, _ = step_lib.accumulate_grads(loss_fn, w, batch, 1, key=key)
+    np.testing.assert_allclose(grads, 4 * jax.random.uniform(jax.random.split(key, 1)[0], (3,)))
 
 
 def _grpo_lora_cfg():
@@ -158,9 +219,64 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     assert np.abs(np.asarray(scored["old_log_prob"] - base_logp) * mask).max() > 1e-4
 
 
-def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
-    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 2
-    reaches step 3's metrics and state exactly; a changed base is refused in one line; the merged
+def test_dropout_changes_the_update_only():
+    """lora.dropout > 0: the rollout and the scoring forwards trace exactly as without dropout;
+    the update's losses and gradients change, and with the update's key (the step's)."""
+    from jrl import step as step_lib
+    from jrl import train
+
+    cfg = _grpo_lora_cfg()
+    tok, task, reward_fn, model_cfg = train.build(cfg)
+    ids = train.sampling_ids(tok, task)
+    state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1))
+    state = state.replace(params=_moved(state.params, jax.random.key(3)))
+    dropped = cfg.copy_and_resolve_references()
+    dropped.lora.dropout = 0.2
+    plain_phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
+    drop_phases = step_lib.make_phases(dropped, model_cfg, reward_fn, **ids)
+    prompts, key = task.train_batch(0, cfg.data.train_batch_size), jax.random.key(2)
+    exp = jax.eval_shape(plain_phases[0], state, prompts, key)[0]
+    for phase, args in ((0, (state, prompts, key)), (1, (state, exp))):
+        trace = lambda phases: str(jax.make_jaxpr(phases[phase])(*args))
+        assert trace(drop_phases) == trace(plain_phases)
+    # A made-up scored batch is enough for the update (no rollout compiled).
+    b, r = exp["response_ids"].shape
+    rng = np.random.default_rng(0)
+    exp = {
+        "input_ids": jnp.repeat(prompts["input_ids"], cfg.rollout.n, 0),
+        "attention_mask": jnp.repeat(prompts["attention_mask"], cfg.rollout.n, 0),
+        "response_ids": jnp.asarray(rng.integers(3, model_cfg.vocab_size, (b, r)), jnp.int32),
+        "response_mask": jnp.asarray(np.arange(r)[None] < rng.integers(1, r, (b, 1)), jnp.int32),
+        "advantages": jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
+        "old_log_prob": jnp.full((b, r), -3.0), "ref_log_prob": jnp.full((b, r), -3.2),
+    }
+    scored_state = state
+    update = {id(p): jax.jit(p[2]) for p in (plain_phases, drop_phases)}
+    run = lambda phases, k: update[id(phases)](scored_state, exp, jax.random.key(k))[1]
+    plain, drop, drop_next = run(plain_phases, 4), run(drop_phases, 4), run(drop_phases, 5)
+    for name in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(float(drop[name]) - float(plain[name])) > 1e-6, name
+        assert float(drop[name]) != float(drop_next[name]), name
+
+
+@pytest.fixture
+def compile_cache(tmp_path):
+    """A persistent compilation cache for one test: runs of the same config in one process
+    (a run and its resume) compile each program once."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    jax.config.update(names[0], str(tmp_path / "compile_cache"))
+    jax.config.update(names[1], 0.0)
+    jax.config.update(names[2], 0)
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
+def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile_cache):
+    """A LoRA run on a tiny HF checkpoint: checkpoints hold no base; a resume from step 1
+    reaches step 2's metrics and state exactly; a changed base is refused in one line; the merged
     export computes the adapted model's logits; the PEFT export has PEFT's names and shapes."""
     import json
     import shutil
@@ -184,13 +300,15 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
     cfg = _grpo_lora_cfg()
     cfg.model.hf_path, cfg.tokenizer, cfg.warmup.sft_steps = hf_dir, "", 0
     cfg.checkpoint.every_steps, cfg.checkpoint.async_save, cfg.checkpoint.max_to_keep = 1, False, 0
+    cfg.total_steps, cfg.data.train_batch_size, cfg.rollout.n = 2, 2, 2  # 2 updates per step
+    cfg.actor.ppo_mini_batch_size, cfg.task.eval_size = 1, 4
     first, second = str(tmp_path / "run"), str(tmp_path / "resumed")
     train.run(cfg, first)
     reference = os.path.join(first, checkpoint_lib.REFERENCE_DIR)
     assert not os.path.exists(reference) or not os.listdir(reference)  # no base saved
     shutil.copytree(first, second)
-    shutil.rmtree(os.path.join(second, "checkpoints", "3"))
-    train.run(cfg, second)  # resumes from step 2
+    shutil.rmtree(os.path.join(second, "checkpoints", "2"))
+    train.run(cfg, second)  # resumes from step 1
     rows = [
         [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         for d in (first, second)
@@ -240,3 +358,27 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path):
     base_q = safetensors.numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
     name = "model.layers.1.self_attn.q_proj.weight"
     np.testing.assert_allclose(merged_q[name], base_q[name] + 8.0 * b @ a, atol=1e-6)
+
+
+def test_peft_loads_the_adapter_export(tmp_path):
+    """scripts/check_peft_export.py: PEFT's PeftModel.from_pretrained on the HF base, with jrl's
+    --adapter_only export of a LoRA run (and of large random adapters), computes jrl's logits
+    to 1e-4; so does the merged export through transformers. Needs an interpreter with torch,
+    transformers and peft: $JRL_PEFT_PYTHON, or this one if it has them; skipped otherwise."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    peft_python = os.environ.get("JRL_PEFT_PYTHON")
+    if not peft_python:
+        if not all(importlib.util.find_spec(m) for m in ("peft", "torch")):
+            pytest.skip("peft / torch not importable; set JRL_PEFT_PYTHON to an interpreter with them")
+        peft_python = sys.executable
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "check_peft_export.py")
+    out = subprocess.run(
+        [sys.executable, script, f"--peft_python={peft_python}", f"--out={tmp_path}"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root},
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert '"max_abs_logit_diff"' in out.stdout

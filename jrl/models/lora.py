@@ -17,7 +17,8 @@ The trees:
              with B scaled by alpha / r (`transformer.variables` routes it to the adapters)
   reference(base, trainable) -> the same model with the adapters off (the KL reference)
 
-`merge` folds the adapters into full weights (export); `peft_tensors` / `peft_config` write them
+`with_dropout(params, rate, key)` adds per-layer dropout keys to the combined params (the update's
+training forwards; `transformer` then drops adapter inputs). `merge` folds the adapters into full weights (export); `peft_tensors` / `peft_config` write them
 in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`).
 """
 
@@ -105,6 +106,28 @@ def combine(base, trainable, s: float):
     out = {**base, **trainable}
     out["lora"] = _scaled(trainable["lora"], s)
     return out
+
+
+def with_dropout(params, rate: float, key):
+    """The combined `params` (`combine`) with dropout of probability `rate` on every adapter's
+    input (PEFT's lora_dropout: x -> A sees x * mask / (1 - rate); the base projection sees x
+    unchanged). Each projection of each layer draws its own mask from `key`. For the training
+    forwards of the update only; `rate` 0 or `key` None: `params` unchanged."""
+    if not rate or key is None:
+        return params
+    num_layers = next(iter(jax.tree.leaves(params["lora"]))).shape[0]
+    layers = {}
+    for i, (module, name) in enumerate(
+        (m, n) for m, names in params["lora"]["layers"].items() for n in names
+    ):
+        keys = jax.random.split(jax.random.fold_in(key, i), num_layers)
+        layers.setdefault(module, {})[name] = {
+            **params["lora"]["layers"][module][name],
+            # per layer (stacked on [L] like the weights): uint32 key data and the rate
+            "dropout_key": jax.random.key_data(keys),
+            "dropout_rate": jnp.full((num_layers,), rate, jnp.float32),
+        }
+    return {**params, "lora": {**params["lora"], "layers": layers}}
 
 
 def reference(base, trainable):

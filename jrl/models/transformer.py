@@ -246,10 +246,15 @@ def _activation(x, *last_axes):
 def _adapter(module, name: str, x, num_in: int):
     """x @ A @ B of projection `name`'s LoRA adapter (variable collection "lora", see
     `jrl.models.lora`: A [*in, r], B [r, *out], B already scaled by alpha / r), contracting the
-    last `num_in` dims of x; None when the projection has no adapter (the base alone)."""
+    last `num_in` dims of x; None when the projection has no adapter (the base alone). With a
+    dropout key (`lora.with_dropout`) x is dropped first, x * mask / (1 - rate), as PEFT does."""
     if not module.has_variable("lora", name):
         return None
     adapter = module.get_variable("lora", name)
+    if "dropout_key" in adapter:  # training forward with lora.dropout (`lora.with_dropout`)
+        key, rate = jax.random.wrap_key_data(adapter["dropout_key"]), adapter["dropout_rate"]
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate).astype(x.dtype), jnp.zeros((), x.dtype))
     h = jnp.tensordot(x, adapter["a"].astype(x.dtype), num_in)
     return jnp.tensordot(h, adapter["b"].astype(x.dtype), 1)
 
