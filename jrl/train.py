@@ -23,6 +23,7 @@ write to the workdir failed (a full disk: the message names the path; rerun to r
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -478,19 +479,26 @@ def main(argv):
         ],
         time.strftime("%Y%m%d-%H%M%S"),
     )
+    failure = None
     try:
         config_lib.validate(cfg)
         # raises ConfigError only before anything is written
         final = run(cfg, workdir, fresh=_FRESH.value, allow_changes=_ALLOW_CHANGES.value)
     except (config_lib.ConfigError, checkpoint_lib.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        failure = (2, str(e))
     except workdir_lib.WriteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(workdir_lib.WRITE_ERROR_EXIT_CODE)
+        failure = (workdir_lib.WRITE_ERROR_EXIT_CODE, str(e))
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+        failure = (3, str(e))
+    if failure:  # printed once the run's frames are gone (a progress bar draws itself last)
+        gc.collect()
+        print(f"error: {failure[1]}", file=sys.stderr)
+        if failure[0] == workdir_lib.WRITE_ERROR_EXIT_CODE:  # leave before failing background
+            workdir_lib.release(workdir)  # writers (orbax) print more at interpreter exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(failure[0])
+        sys.exit(failure[0])
     print(
         json.dumps(
             {
