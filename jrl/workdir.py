@@ -441,8 +441,11 @@ def fingerprints(cfg) -> dict[str, dict]:
 
 
 def config_json(cfg, prints: dict) -> str:
-    """The text of `config.json`: the config's fields and, under FINGERPRINTS_KEY, `prints`."""
-    return json.dumps({**json.loads(cfg.to_json_best_effort()), FINGERPRINTS_KEY: prints}, indent=2)
+    """The text of `config.json`: the config's fields and, under FINGERPRINTS_KEY, `prints` as a
+    list of {"input": name, ...} (no dotted keys: the file still loads as a ConfigDict)."""
+    records = [{"input": name, **fingerprint} for name, fingerprint in prints.items()]
+    fields = json.loads(cfg.to_json_best_effort())
+    return json.dumps({**fields, FINGERPRINTS_KEY: records}, indent=2)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -466,6 +469,8 @@ def changes(saved: dict, cfg, prints: dict) -> list[str]:
     removed from jrl in between) are not compared."""
     saved = dict(saved)
     saved_prints = saved.pop(FINGERPRINTS_KEY, None)
+    if saved_prints is not None:
+        saved_prints = {r["input"]: r for r in saved_prints}
     old, new = _flat(saved), _flat(json.loads(cfg.to_json_best_effort()))
     out = [
         f"{k} {old[k]!r} -> {new[k]!r}"

@@ -9,6 +9,7 @@ import os
 import shutil
 
 from cli_helpers import TINY, cache_env, last_line, run, steps
+from jrl import export
 from jrl import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,7 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
     prints = {"task.train_files[0]": {"path": "/d/a.jsonl", "size": 10, "sha256_head_tail": "x"}}
     saved = json.loads(workdir_lib.config_json(cfg, prints))
     assert workdir_lib.changes(saved, cfg, prints) == []
+    assert export.config_from_json(saved).actor.lr == cfg.actor.lr  # still loads as a config
     cfg.actor.lr = 1e-3
     cfg.rollout.n = 8
     cfg.total_steps = 100  # safe
@@ -112,7 +114,8 @@ def test_cli_resume_with_changed_config_or_data_exits_2_and_changes_nothing(tmp_
     code, err = run([*args, f"--config.task.train_files={data}"], env)
     assert code == 0, err[-3000:]
     saved = json.loads((workdir / "config.json").read_text())
-    assert saved[workdir_lib.FINGERPRINTS_KEY]["task.train_files[0]"]["size"] == data.stat().st_size
+    (record,) = saved[workdir_lib.FINGERPRINTS_KEY]
+    assert record["input"] == "task.train_files[0]" and record["size"] == data.stat().st_size
     before = _snapshot(workdir)
 
     code, err = run([*args, f"--config.task.train_files={data}", "--config.actor.lr=0.002"], env)
