@@ -230,11 +230,14 @@ def _status(e: BaseException) -> int | None:
 
 
 def _gcs_client():
+    """A google-cloud-storage client, or None (with a warning) when it cannot be made."""
     try:
         from google.cloud import storage
-    except ImportError:
+
+        return storage.Client()
+    except Exception as e:  # not installed, no credentials
+        logging.warning("No Google Cloud Storage client (%s: %s).", type(e).__name__, e)
         return None
-    return storage.Client()
 
 
 class GcsLease:

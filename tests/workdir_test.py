@@ -4,6 +4,7 @@ generation preconditions); config-file errors that keep their reason."""
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,22 +13,10 @@ import time
 
 import pytest
 
+from cli_helpers import REPO, TINY, cache_env, last_line, steps
+from cli_helpers import run as cli_run
+from cli_helpers import start as cli_start
 from jrl import workdir as workdir_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config=configs/grpo_math.py:tiny", "--config.warmup.sft_steps=0"]
-
-
-def _cli(*args, **kwargs):
-    return subprocess.Popen(
-        [sys.executable, "-m", "jrl.train", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
-
 
 def _hold_lock(path):
     """Another process that holds the OS lock on `path` (and records itself, as a run does) until
@@ -50,25 +39,35 @@ def _hold_lock(path):
     return proc
 
 
-def test_two_runs_on_one_workdir_one_trains_the_other_exits_2(tmp_path):
-    """Two identical commands started a second apart: one trains, the other stops before
-    compiling with the holder's pid and host; metrics.jsonl has each step once."""
-    workdir = tmp_path / "w"
-    first = _cli(*TINY, f"--workdir={workdir}")
-    time.sleep(1)
-    second = _cli(*TINY, f"--workdir={workdir}")
-    outs = {p.pid: (p, *p.communicate(timeout=300)) for p in (first, second)}
-    codes = sorted(p.returncode for p, _, _ in outs.values())
-    assert codes == [0, 2], {pid: (p.returncode, err[-1500:]) for pid, (p, _, err) in outs.items()}
-    winner = next(p for p, _, _ in outs.values() if p.returncode == 0)
-    loser_err = next(err for p, _, err in outs.values() if p.returncode == 2)
-    last = loser_err.strip().splitlines()[-1]
-    assert last.startswith(f"error: --workdir={workdir} is in use by pid {winner.pid} on host "), last
-    assert f"on host {socket.gethostname()} since " in last, last
-    assert "Compiling" not in loser_err
-    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
-    assert steps == [0, 1, 2, 3]
-    assert (workdir / workdir_lib.LOCK_FILE).read_text() == ""  # released at the end
+def test_two_runs_on_one_workdir_one_trains_the_other_exits_2(tmp_path_factory):
+    """The same command twice on one workdir: the first trains; the second, started while the
+    first holds the lock (the first is paused with SIGSTOP meanwhile, so that it is surely still
+    running), stops before compiling with the holder's pid and host; metrics.jsonl has each step
+    once."""
+    env = cache_env(tmp_path_factory)
+    workdir = tmp_path_factory.mktemp("two_runs") / "w"
+    lock = workdir / workdir_lib.LOCK_FILE
+    first = cli_start([*TINY, f"--workdir={workdir}"], env)
+    while not (lock.exists() and lock.read_text()):
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.01)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        code, second_err = cli_run([*TINY, f"--workdir={workdir}"], env)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    first_out, first_err = first.communicate(timeout=300)
+    assert first.returncode == 0, first_err[-3000:]
+    assert code == 2, second_err[-3000:]
+    last = last_line(second_err)
+    assert last.startswith(
+        f"error: --workdir={workdir} is in use by pid {first.pid} on host {socket.gethostname()} "
+        "since "
+    ), last
+    assert "Compiling" not in second_err
+    assert steps(workdir) == [0, 1, 2, 3]
+    assert lock.read_text() == ""  # released at the end
+    print(f"first (exit 0), stdout: {first_out.strip()}\nsecond (exit 2), stderr: {last}")
 
 
 def test_fresh_never_breaks_a_live_lock(tmp_path):
@@ -76,12 +75,11 @@ def test_fresh_never_breaks_a_live_lock(tmp_path):
     (workdir / "checkpoints" / "2").mkdir(parents=True)
     holder = _hold_lock(workdir / workdir_lib.LOCK_FILE)
     try:
-        proc = _cli(*TINY, f"--workdir={workdir}", "--fresh")
-        _, err = proc.communicate(timeout=120)
+        code, err = cli_run([*TINY, f"--workdir={workdir}", "--fresh"], os.environ, timeout=120)
     finally:
         holder.stdin.close()
         holder.wait()
-    assert proc.returncode == 2
+    assert code == 2
     assert f"is in use by pid {holder.pid} on host {socket.gethostname()}" in err.splitlines()[-1]
     assert sorted(os.listdir(workdir)) == ["checkpoints", workdir_lib.LOCK_FILE]  # not moved
     assert os.listdir(workdir / "checkpoints") == ["2"]
