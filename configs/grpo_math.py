@@ -69,7 +69,8 @@ def get_config(arg: str | None = None):
             PRESETS[preset](c)
         else:
             raise config_lib.ConfigError(
-                f"unknown preset '{preset}' in configs/grpo_math.py:{arg}; valid presets: "
+                f"unknown preset '{preset}'{config_lib._suggest(preset, PRESETS)} in "
+                f"--config=configs/grpo_math.py:{arg}; valid presets: "
                 f"{', '.join(PRESETS)}."
             )
     return c

@@ -317,6 +317,7 @@ class Checkpointer:
         # A reference without any state checkpoint is left from a run that died before its first
         # save: it does not count (the first save replaces it).
         self._reference_saved = bool(self._ref_manager.all_steps() and self._manager.all_steps())
+        self._in_flight = False  # a save started since the last wait()
 
     # ------------------------------------------------------------------------ saving
 
@@ -362,6 +363,7 @@ class Checkpointer:
         self._ref_manager.wait_until_finished()
         tree, impls = _savable(state)
         meta = {"format": _FORMAT, "prng_impls": impls, "reference_field": self.reference_field}
+        self._in_flight = True
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -397,12 +399,17 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._in_flight = True
         self._reference_saved = True
 
     def wait(self) -> None:
-        """Blocks until every save in flight has committed."""
+        """Blocks until every save in flight has committed (raises a failed save's error); at
+        once when no save was started since the last call."""
+        if not self._in_flight:
+            return
         self._ref_manager.wait_until_finished()
         self._manager.wait_until_finished()
+        self._in_flight = False
 
     def close(self) -> None:
         """Waits for the saves in flight and releases orbax's resources."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
+import traceback
 
 import ml_collections
 
@@ -523,3 +525,26 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
         f"model.logits_chunk_size={m.logits_chunk_size} must be >= 0 (0: all positions at once).",
     )
     _choice("model.param_dtype", m.param_dtype, MODEL_DTYPES)
+
+
+def config_file_error(spec: str, error: BaseException) -> str:
+    """The one-line error for `--config=spec` whose file raised `error` while building the config:
+    its own message for a ConfigError (an unknown preset names the valid ones), else the
+    exception, where in the file it was raised and the file's presets (a `PRESETS` dict)."""
+    if isinstance(error, ConfigError):
+        return str(error) if spec in str(error) else f"--config={spec}: {error}"
+    path = os.path.abspath(spec.partition(":")[0])
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+    where = f" (line {frames[-1].lineno} of {spec.partition(':')[0]})" if frames else ""
+    reason = str(error).splitlines()[0] if str(error) else ""
+    module = next(
+        (
+            m
+            for m in list(sys.modules.values())
+            if os.path.abspath(getattr(m, "__file__", None) or "/") == path
+        ),
+        None,
+    )
+    presets = getattr(module, "PRESETS", None)
+    listed = f"; valid presets: {', '.join(presets)}" if isinstance(presets, dict) else ""
+    return f"--config={spec}: {type(error).__name__}: {reason}{where}{listed}."

@@ -15,12 +15,15 @@ Exit status: 0 done; 2 bad config or arguments (nothing written); 42 preempted (
 TPU preemption notice: the step finished and a checkpoint was written; rerun with the same
 --workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
 committed checkpoint); 3 stopped by the NaN guard (nan_guard.max_consecutive non-finite steps in
-a row, or one with the guard off; the message names the quantity).
+a row, or one with the guard off; the message names the quantity); 2 also when another live
+run holds --workdir or a resume finds other config fields or input files (jrl/workdir.py); 4 a
+write to the workdir failed (a full disk: the message names the path; rerun to resume).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -40,6 +43,7 @@ from jrl import samples as samples_lib
 from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
 from jrl import logging as metric_files
+from jrl import workdir as workdir_lib
 from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
@@ -58,6 +62,12 @@ _FRESH = flags.DEFINE_bool(
     False,
     "Start from scratch even if --workdir has checkpoints (they are moved aside to "
     "checkpoints.<time>, not deleted).",
+)
+_ALLOW_CHANGES = flags.DEFINE_bool(
+    "allow_changes",
+    False,
+    "Resume even if config fields that change the maths or the input files differ from the "
+    "run's config.json (jrl/workdir.py lists the fields that may always change).",
 )
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",
@@ -329,8 +339,9 @@ def check_writable(workdir: str) -> None:
         ) from None
 
 
-def run(cfg, workdir: str) -> dict:
-    """Trains (or resumes); returns the last step's metrics (with the final eval)."""
+def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) -> dict:
+    """Trains (or resumes); returns the last step's metrics (with the final eval). `fresh`: move
+    old checkpoints aside first; `allow_changes`: resume despite other config / input files."""
     config_lib.validate(cfg)
     if "://" not in workdir:
         workdir = os.path.abspath(workdir)  # orbax needs absolute paths
@@ -341,9 +352,14 @@ def run(cfg, workdir: str) -> dict:
         raise config_lib.ConfigError(str(e)) from None
     step_lib.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
     check_writable(workdir)
+    workdir_lib.acquire(workdir)  # InUseError (exit 2) while another run holds it
     console.log_to_file(workdir, jax.process_index())  # INFO logs: workdir/train.log
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
     say = print if main_process else lambda *_: None  # the few lines a run shows
+    if fresh and main_process:  # only once the lock is ours: --fresh never breaks a live run
+        start_fresh(workdir)
+    if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
+        multihost_utils.sync_global_devices("jrl.train: workdir ready")
     long_prompts = prompt_counts(task)
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
@@ -360,6 +376,11 @@ def run(cfg, workdir: str) -> dict:
         max_to_keep=cfg.checkpoint.max_to_keep,
         async_save=cfg.checkpoint.async_save,
     )
+    inputs = workdir_lib.fingerprints(cfg)
+    if ckpt.all_steps():  # a resume: same maths and input files as the run that saved them
+        workdir_lib.check_resume(workdir, cfg, inputs, allow_changes=allow_changes)
+    saving = ("save", "maybe_save", "wait", "close")  # a failed save: WriteError, exit 4
+    ckpt = workdir_lib.Guarded(ckpt, ckpt.directory, saving)
     step_fn, abstract, state_sh, batch_sh = jit_step(
         cfg, model_cfg, reward_fn, ids, mesh, lambda: init(transformer.init_params(model_cfg, key_init))
     )
@@ -395,12 +416,13 @@ def run(cfg, workdir: str) -> dict:
         if base_from_hf:
             state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
         say(f"resumed from {ckpt.directory} at step {start}", flush=True)
-        if main_process:
-            metric_files.trim_metrics(workdir, start)
-    if main_process:  # after a successful restore
-        metric_files.write_text(
-            os.path.join(workdir, "config.json"), cfg.to_json_best_effort(indent=2)
-        )
+    metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
+    if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
+        with workdir_lib.writing(metrics_path):
+            metric_files.trim_metrics(workdir, start if resumed else -1)
+        config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
+        with workdir_lib.writing(config_path):
+            metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
     eval_fn = jax.jit(
         lambda state, batch: eval_samples_fn(step_lib.policy_params(cfg, state), batch),
         in_shardings=(state_sh, replicated),
@@ -418,7 +440,8 @@ def run(cfg, workdir: str) -> dict:
             bar.write(f"  e.g. {line}")
         return metrics
 
-    writer = MetricWriter(workdir, enabled=main_process)
+    with workdir_lib.writing(metrics_path):
+        writer = workdir_lib.Guarded(MetricWriter(workdir, enabled=main_process), metrics_path)
     bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
     if resumed is None:
         metrics = evaluate(state, 0)
@@ -450,6 +473,7 @@ def run(cfg, workdir: str) -> dict:
             done = i + 1
             if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
                 metrics.update(evaluate(state, done))
+            ckpt.wait()  # the last save committed before this row: a kill loses <= every_steps
             writer.write(done, metrics)
             bar.update(metrics)
             consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
@@ -465,14 +489,20 @@ def run(cfg, workdir: str) -> dict:
     ckpt.close()
     bar.close()
     writer.close()
+    workdir_lib.release(workdir)
     metrics["val/accuracy_first"] = first_accuracy
     return metrics
 
 
 def start_fresh(workdir: str) -> None:
-    """--fresh: move an existing checkpoints/ and reference/ aside (nothing saved is deleted)."""
+    """--fresh: move existing checkpoints/, reference/, metrics.jsonl and samples.jsonl aside
+    (nothing saved is deleted)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for name in (checkpoint_lib.CHECKPOINTS_DIR, checkpoint_lib.REFERENCE_DIR):
+    for name in (
+        checkpoint_lib.CHECKPOINTS_DIR,
+        checkpoint_lib.REFERENCE_DIR,
+        *metric_files.JSONL_FILES,
+    ):
         old = epath.Path(workdir) / name
         if old.exists():
             old.rename(old.parent / f"{name}.{stamp}")
@@ -500,19 +530,26 @@ def main(argv):
         ],
         time.strftime("%Y%m%d-%H%M%S"),
     )
+    failure = None
     try:
         config_lib.validate(cfg)
-        if _FRESH.value and jax.process_index() == 0:
-            start_fresh(workdir)
-        if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
-            multihost_utils.sync_global_devices("jrl.train: workdir ready")
-        final = run(cfg, workdir)  # raises ConfigError only before anything is written
+        # raises ConfigError only before anything is written
+        final = run(cfg, workdir, fresh=_FRESH.value, allow_changes=_ALLOW_CHANGES.value)
     except (config_lib.ConfigError, checkpoint_lib.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        failure = (2, str(e))
+    except workdir_lib.WriteError as e:
+        failure = (workdir_lib.WRITE_ERROR_EXIT_CODE, str(e))
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+        failure = (3, str(e))
+    if failure:  # printed once the run's frames are gone (a progress bar draws itself last)
+        gc.collect()
+        print(f"error: {failure[1]}", file=sys.stderr)
+        if failure[0] == workdir_lib.WRITE_ERROR_EXIT_CODE:  # leave before failing background
+            workdir_lib.release(workdir)  # writers (orbax) print more at interpreter exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(failure[0])
+        sys.exit(failure[0])
     print(
         json.dumps(
             {
@@ -529,12 +566,14 @@ def _load_config_file(spec: str):
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_jrl_config", path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # config_lib.config_file_error finds its PRESETS
     module_spec.loader.exec_module(module)
     return module.get_config(arg or None)
 
 
 def parse_flags(argv):
-    """absl flag parsing, with a one-line error (exit 2) for an override of an unknown field."""
+    """absl flag parsing, with a one-line error (exit 2) for an override of an unknown field or a
+    config file that raises (the reason, not absl's 'Error whilst parsing config file')."""
     try:
         return flags.FLAGS(argv)
     except (flags.Error, AttributeError, KeyError) as e:
@@ -543,8 +582,8 @@ def parse_flags(argv):
         if spec:
             try:
                 message = config_lib.unknown_override(_load_config_file(spec), argv)
-            except Exception:  # the config file itself is broken: absl's own message below
-                message = None
+            except Exception as file_error:  # a bad preset, or an error inside the config file
+                message = config_lib.config_file_error(spec, file_error)
         print(f"error: {message or str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 

@@ -285,8 +285,8 @@ def test_cli_checkpoint_of_another_model_size_exits_2_and_changes_nothing(tmp_pa
     )
     assert first.returncode == 0, first.stderr[-2000:]
     snapshot = _saved_files(workdir)
-    proc = subprocess.run(
-        base + ["--config.model.hidden_size=64"],
+    proc = subprocess.run(  # past the config check (config.json), to the checkpoint's shapes
+        base + ["--config.model.hidden_size=64", "--allow_changes"],
         cwd=REPO,
         capture_output=True,
         text=True,

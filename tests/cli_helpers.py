@@ -1,0 +1,71 @@
+"""Helpers of the tests that run the trainer's CLI in subprocesses (kills, full disks, resume
+checks): a persistent compilation cache shared by those runs (each start after the first loads
+the compiled step from disk instead of compiling it), and metrics.jsonl readers."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tiny config without the supervised warm-up: each start is a few seconds.
+TINY = ["--config=configs/grpo_math.py:tiny", "--config.warmup.sft_steps=0"]
+
+
+def cache_env(tmp_path_factory) -> dict:
+    """os.environ plus a JAX persistent compilation cache in this session's temp directory."""
+    cache = tmp_path_factory.getbasetemp() / "jax_cache_cli"
+    cache.mkdir(exist_ok=True)
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def start(args, env, main=("-m", "jrl.train")) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *main, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run(args, env, main=("-m", "jrl.train"), timeout=300) -> tuple[int, str]:
+    """(exit status, stderr) of a finished run."""
+    proc = start(args, env, main)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def last_line(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+def steps(workdir) -> list[int]:
+    """The steps of metrics.jsonl's complete rows, in file order (a torn last line is skipped)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line)["step"])
+            except ValueError:
+                pass
+    return out
+
+
+def rows(workdir) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without its timings (which differ from run to run)."""
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s", "perf/throughput"))}
