@@ -355,7 +355,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     workdir_lib.acquire(workdir)  # InUseError (exit 2) while another run holds it
     console.log_to_file(workdir, jax.process_index())  # INFO logs: workdir/train.log
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
-    say = print if main_process else lambda *_: None  # the few lines a run shows
+    say = print if main_process else lambda *_, **__: None  # the few lines a run shows
     if fresh and main_process:  # only once the lock is ours: --fresh never breaks a live run
         start_fresh(workdir)
     if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
@@ -541,14 +541,20 @@ def main(argv):
         failure = (workdir_lib.WRITE_ERROR_EXIT_CODE, str(e))
     except NonFiniteError as e:
         failure = (3, str(e))
+    if failure and failure[0] == workdir_lib.WRITE_ERROR_EXIT_CODE:
+        # Failing background writers (orbax) keep printing tracebacks until the process ends:
+        # silence them, then print the error line last and leave at once.
+        gc.collect()  # the run's frames go: the progress bar draws itself last
+        sys.stdout.flush()
+        sys.stderr.flush()
+        console_fd = os.dup(2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        workdir_lib.release(workdir)
+        os.write(console_fd, f"error: {failure[1]}\n".encode())
+        os._exit(failure[0])
     if failure:  # printed once the run's frames are gone (a progress bar draws itself last)
         gc.collect()
         print(f"error: {failure[1]}", file=sys.stderr)
-        if failure[0] == workdir_lib.WRITE_ERROR_EXIT_CODE:  # leave before failing background
-            workdir_lib.release(workdir)  # writers (orbax) print more at interpreter exit
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(failure[0])
         sys.exit(failure[0])
     print(
         json.dumps(

@@ -37,10 +37,11 @@ def start(args, env, main=("-m", "jrl.train")) -> subprocess.Popen:
 
 
 def run(args, env, main=("-m", "jrl.train"), timeout=300) -> tuple[int, str]:
-    """(exit status, stderr) of a finished run."""
+    """(exit status, stdout + stderr) of a finished run (the run's own lines are on stdout, so
+    the last line is stderr's last, e.g. an `error: ...` line)."""
     proc = start(args, env, main)
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
 
 
 def last_line(err: str) -> str:

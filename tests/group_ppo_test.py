@@ -354,6 +354,7 @@ def inputs(r, m, v, logp, tau, config):
         "values": v,
         "reward_baselines": jnp.zeros(4),
         "old_log_prob": logp,
+        "sum_pi_squared": jnp.exp(2 * logp),  # sum_v pi(v)^2 >= pi(y)^2, any positive array will do
         "threshold": tau,
         "config": config,
     }

@@ -85,7 +85,7 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path_fa
             killed = False
         out, err = proc.communicate(timeout=300)
         stderrs.append(err)
-        resumed = re.search(r"resumed from \S+ at step (\d+)", err)
+        resumed = re.search(r"resumed from \S+ at step (\d+)", out)
         if resumed or "step 0: val/accuracy" in out:  # this life got going: earlier kills' cost
             losses += [row - (int(resumed.group(1)) if resumed else 0) for row in pending]
             pending = []

@@ -12,6 +12,7 @@ import pytest
 
 from jrl import config as config_lib
 from jrl import rollout
+from jrl import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
 
@@ -327,8 +328,10 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     json.dump(hf_config, open(os.path.join(changed, "config.json"), "w"))
     other = cfg.copy_and_resolve_references()
     other.model.hf_path = changed
+    with pytest.raises(workdir_lib.ChangedInputsError, match="model.hf_path/config.json"):
+        train.run(other, second)  # the run's input check: the base's files changed
     with pytest.raises(checkpoint_lib.CheckpointError, match="not the one the LoRA checkpoints"):
-        train.run(other, second)
+        train.run(other, second, allow_changes=True)  # and past it, the checkpoint's own record
 
     merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
     export_lib.export(first, merged_dir)

@@ -8,7 +8,7 @@ import json
 import os
 
 from cli_helpers import TINY, cache_env, last_line, run
-from jrl import export
+from jrl import console, export
 from jrl import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,11 +98,11 @@ def test_check_resume_raises_one_line_or_warns_with_allow_changes(tmp_path, capl
 
 def _snapshot(root):
     """Every file's bytes and modification time (the lock file's bytes only: it records each
-    holder while it runs and is emptied on exit)."""
+    holder while it runs and is emptied on exit; the run log aside: every start appends to it)."""
     return {
         p: (p.read_bytes(), None if p.name == workdir_lib.LOCK_FILE else p.stat().st_mtime_ns)
         for p in root.rglob("*")
-        if p.is_file()
+        if p.is_file() and p.name != console.LOG_FILE
     }
 
 
