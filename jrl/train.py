@@ -550,7 +550,8 @@ def main(argv):
         console_fd = os.dup(2)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
         workdir_lib.release(workdir)
-        os.write(console_fd, f"error: {failure[1]}\n".encode())
+        # on a line of its own: a writer may have left a partial line
+        os.write(console_fd, f"\nerror: {failure[1]}\n".encode())
         os._exit(failure[0])
     if failure:  # printed once the run's frames are gone (a progress bar draws itself last)
         gc.collect()
