@@ -487,6 +487,19 @@ class Checkpointer:
         _sync("jrl_checkpoint_set_aside")
         self._manager.reload()
 
+    def restore(self, step: int, target_state):
+        """Restores checkpoint `step` into the structure of `target_state` (as `restore_latest`,
+        the reference field filled from `<workdir>/reference` when not None). Returns (state,
+        extra). A checkpoint whose shapes / dtypes differ from the target raises
+        CheckpointError; one that does not read back raises the storage's error."""
+        self._manager.reload()
+        target, target_ref = self._split(target_state)
+        where = str(self.directory / str(step))
+        state, extra = self._restore_step(self._manager, step, "state", target, where)
+        if target_ref is not None:
+            state = self._join(state, self.restore_reference(target_ref))
+        return state, extra
+
     def restore_latest(self, target_state):
         """Restores the newest readable checkpoint into the structure of `target_state`.
 

@@ -14,6 +14,7 @@ read from the logits at the position before y_t (the last prompt token for t = 0
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax
@@ -460,7 +461,49 @@ def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None):
     return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 
-def make_phases(
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the phases of a step read, fixed once from the config (static at trace time): the
+    models, the sampling settings, the micro-batch counts, and the maths of the config's
+    variants bound to their settings (`losses.make_policy_loss`, `advantages.make_estimator`,
+    `kl.make_kl_controller`). Built by `make_spec`; every phase takes it as its first argument."""
+
+    cfg: ml_collections.ConfigDict
+    model_cfg: transformer.ModelConfig  # the policy's (see `model_configs`)
+    critic_cfg: transformer.ModelConfig | None  # a separate critic's; None: none or shared
+    reward_fn: Callable  # (batch, response_ids, response_mask, eos_id=) -> scores [B]
+    eos_id: int
+    pad_id: int
+    max_new_tokens: int
+    micro: dict  # micro-batch counts of "log_prob", "actor", "critic" (`micro_batch_counts`)
+    policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
+    estimator: Callable  # (token_level_rewards=, response_mask=, index=, ...) -> advantages, ...
+    kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
+    tx: optax.GradientTransformation  # the policy's optimizer
+    critic_tx: optax.GradientTransformation  # the separate critic's
+
+    @property
+    def n(self) -> int:
+        return self.cfg.rollout.n
+
+    @property
+    def on_policy(self) -> bool:  # the update's own forward gives the old log-probs
+        return on_policy_update(self.cfg)
+
+    @property
+    def use_critic(self) -> bool:
+        return needs_critic(self.cfg)
+
+    @property
+    def shared(self) -> bool:  # the value head sits on the policy's backbone
+        return self.use_critic and self.critic_cfg is None
+
+    def needs(self, name: str) -> bool:
+        """Whether the estimator takes the optional input `name`."""
+        return name in adv_lib.needs(self.cfg.algorithm.adv_estimator)
+
+
+def make_spec(
     cfg: ml_collections.ConfigDict,
     model_cfg: transformer.ModelConfig,
     reward_fn: Callable,
@@ -469,406 +512,441 @@ def make_phases(
     pad_id: int,
     max_new_tokens: int,
     mesh=None,
-):
-    """The three phases of a step as pure functions (the fused step chains them; the benchmark
-    also jits them one by one to time each):
-
-      generate(state, prompts, key) -> (experience, metrics)
-          rollout of B = B_p * n rows and its reward (`scores` [B]); with dynamic sampling, rounds
-          of fresh prompts until B_p groups with signal are found (`lax.while_loop`)
-      score(state, experience) -> (experience, metrics, state with the next kl_coef / threshold)
-          old / ref log-probs, values, KL in the reward, advantages, returns, critic mask
-      update(state, experience, key) -> (state, metrics)
-          ppo_epochs x shuffled minibatches (`lax.scan`) of policy and critic updates
-
-    `model_cfg` is the policy's (see `model_configs`); `mesh` (the one the step is jitted over)
-    sets how many rows each device holds, which the micro-batch sizes divide.
-    """
-    actor, algo, roll_cfg, critic = cfg.actor, cfg.algorithm, cfg.rollout, cfg.critic
-    micro = micro_batch_counts(cfg, mesh)
-    on_policy = on_policy_update(cfg)  # the update's forward gives the old log-probs
-    n = roll_cfg.n
-    b_p = cfg.data.train_batch_size
-    _, critic_cfg = model_configs(cfg, model_cfg)
-    use_critic, shared = needs_critic(cfg), needs_critic(cfg) and critic_cfg is None
-    use_ref = needs_reference(cfg)
-    needs_baseline = "reward_baselines" in adv_lib.needs(algo.adv_estimator)
-    needs_sum_pi_squared = "sum_pi_squared" in adv_lib.needs(algo.adv_estimator)
-    correction = algo.rollout_correction.enable
-    corr_settings = rollout_corr.settings(algo.rollout_correction) if correction else None
-    bypass = bypass_mode(cfg)
-    # the actor section the policy loss reads (bypass_mode: with the rollout-correction settings)
-    loss_cfg = ml_collections.ConfigDict(
-        {**actor.to_dict(), "rollout_correction": algo.rollout_correction.to_dict()}
-    )
-    overlong = cfg.reward.overlong_buffer
-    filter_groups = algo.filter_groups
-    tx, critic_tx = make_optimizer(actor), make_optimizer(critic)
-    sample = dict(
-        max_new_tokens=max_new_tokens,
+) -> StepSpec:
+    """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
+    one the step is jitted over) sets how many rows each device holds, which the micro-batch
+    sizes divide."""
+    return StepSpec(
+        cfg=cfg,
+        model_cfg=model_cfg,
+        critic_cfg=model_configs(cfg, model_cfg)[1],
+        reward_fn=reward_fn,
         eos_id=eos_id,
         pad_id=pad_id,
-        temperature=roll_cfg.temperature,
-        top_k=roll_cfg.top_k,
-        top_p=roll_cfg.top_p,
+        max_new_tokens=max_new_tokens,
+        micro=micro_batch_counts(cfg, mesh),
+        policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
+        estimator=adv_lib.make_estimator(cfg.algorithm),
+        kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
+        tx=make_optimizer(cfg.actor),
+        critic_tx=make_optimizer(cfg.critic),
     )
 
-    def rollout_and_reward(params, prompts: Batch, key) -> Batch:
-        """n samples of each prompt, scored; `acc` is the task reward, `scores` after shaping."""
-        rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
-        out = rollout.generate(
-            model_cfg, params, rows["input_ids"], rows["attention_mask"], key, **sample
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1, generate(spec, state, prompts, key) -> (experience, metrics): the rollout of
+# B = B_p * n rows and its reward (`scores` [B]); with dynamic sampling, rounds of fresh prompts
+# until B_p groups with signal are found.
+
+
+def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False) -> Batch:
+    """n samples of each prompt (one greedy answer with `greedy`), scored: `acc` is the task's
+    reward, `scores` that after shaping (DAPO's overlong penalty)."""
+    cfg, n = spec.cfg, 1 if greedy else spec.n
+    rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
+    out = rollout.generate(
+        spec.model_cfg,
+        params,
+        rows["input_ids"],
+        rows["attention_mask"],
+        key,
+        max_new_tokens=spec.max_new_tokens,
+        eos_id=spec.eos_id,
+        pad_id=spec.pad_id,
+        temperature=1.0 if greedy else cfg.rollout.temperature,
+        top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p,
+        greedy=greedy,
+    )
+    exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
+    if cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs (IS / bypass)
+        exp["rollout_log_prob"] = out.log_probs
+    acc = spec.reward_fn(exp, out.response_ids, out.response_mask, eos_id=spec.eos_id)
+    scores, overlong = acc, cfg.reward.overlong_buffer
+    if overlong.enable:
+        length = jnp.sum(out.response_mask, -1)
+        scores = acc + overlong_penalty(
+            length, spec.max_new_tokens, overlong.len, overlong.penalty_factor
         )
-        exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
-        if correction:  # the rollout's own log-probs, for the IS weights / bypass mode
-            exp["rollout_log_prob"] = out.log_probs
-        acc = reward_fn(exp, out.response_ids, out.response_mask, eos_id=eos_id)
-        scores = acc
-        if overlong.enable:
-            length = jnp.sum(out.response_mask, -1)
-            scores = acc + overlong_penalty(
-                length, max_new_tokens, overlong.len, overlong.penalty_factor
-            )
-        if needs_baseline:  # ReMax: the reward of a greedy rollout of the same prompt
-            greedy = rollout.generate(
-                model_cfg,
-                params,
-                prompts["input_ids"],
-                prompts["attention_mask"],
-                key,
-                **{**sample, "temperature": 1.0},
-                greedy=True,
-            )
-            base = reward_fn(prompts, greedy.response_ids, greedy.response_mask, eos_id=eos_id)
-            exp["reward_baselines"] = jnp.repeat(base, n)
-        return {**exp, "acc": acc, "scores": scores}
-
-    def dynamic_sampling(params, pool: Batch, key):
-        """DAPO: keep groups whose scores differ; draw fresh prompts from the pool until B_p such
-        groups are found or the pool's max_num_gen_batches rounds are used. Slots still empty at
-        the end hold groups without signal from the first round (their advantages are 0)."""
-        rounds = filter_groups.max_num_gen_batches
-        chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
-        take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
-        signal = lambda e: group_has_signal(e[filter_groups.metric], n)
-
-        first = rollout_and_reward(params, take(0), jax.random.fold_in(key, 0))
-        keep = signal(first)
-        order = jnp.argsort(~keep, stable=True)  # groups with signal first
-        rows = (order[:, None] * n + jnp.arange(n)).reshape(-1)
-        buf = jax.tree_util.tree_map(lambda x: x[rows], first)
-
-        def cond(carry):
-            i, filled, _ = carry
-            return (i < rounds) & (filled < b_p)
-
-        def body(carry):
-            i, filled, buf = carry
-            new = rollout_and_reward(params, take(i), jax.random.fold_in(key, i))
-            keep = signal(new)
-            dest = jnp.where(keep, filled + jnp.cumsum(keep) - 1, b_p)  # b_p: dropped
-            dest_rows = (dest[:, None] * n + jnp.arange(n)).reshape(-1)
-            buf = jax.tree_util.tree_map(lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new)
-            return i + 1, jnp.minimum(filled + jnp.sum(keep), b_p), buf
-
-        i, filled, buf = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.sum(keep), buf))
-        return buf, {
-            "training/num_gen_batches": i,
-            "training/filled_groups_ratio": filled / b_p,
-        }
-
-    def generate(state: TrainState, prompts: Batch, key):
-        if filter_groups.enable:
-            return dynamic_sampling(policy_params(cfg, state), prompts, key)
-        return rollout_and_reward(policy_params(cfg, state), prompts, key), {}
-
-    def forward(model, params, exp, with_entropy=False, with_sum_pi_squared=False):
-        return response_outputs(
-            model,
-            params,
-            exp["input_ids"],
-            exp["attention_mask"],
-            exp["response_ids"],
-            exp["response_mask"],
-            roll_cfg.temperature,
-            with_entropy,
-            entropy_grad=actor.entropy_coeff != 0,  # else the entropy is only a metric
-            with_sum_pi_squared=with_sum_pi_squared,
-        )
-
-    def score_forwards(state: TrainState, rows: Batch) -> Batch:
-        """Old (unless on-policy or bypass mode) and reference log-probs and values of some rows.
-        (Bypass mode with a value head on the policy still runs the policy's forward, for the
-        values; its log-probs are then replaced by the rollout's.)"""
-        out = {}
-        if not (on_policy or (bypass and not shared)):
-            old = forward(
-                model_cfg,
-                policy_params(cfg, state),
-                rows,
-                with_sum_pi_squared=needs_sum_pi_squared,
-            )
-            out["old_log_prob"] = old["log_prob"]
-            if needs_sum_pi_squared:
-                out["sum_pi_squared"] = old["sum_pi_squared"]
-        if use_ref:
-            ref = forward(model_cfg, reference_params(cfg, state), rows)
-            out["ref_log_prob"] = ref["log_prob"]
-        if use_critic:
-            critic_params = _with_base(cfg, state.ref_params, state.critic_params)
-            out["values"] = (
-                old["values"] if shared else forward(critic_cfg, critic_params, rows)["values"]
-            )
-        return out
-
-    def score(state: TrainState, exp: Batch):
-        mask = exp["response_mask"]
-        b = mask.shape[0]
-        rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
-        scored = in_micro_batches(lambda r: score_forwards(state, r), rows, micro["log_prob"])
-        exp = {**exp, **jax.lax.stop_gradient(scored)}
-        if use_critic:
-            exp["values"] = exp["values"] * mask
-        if bypass:
-            exp["old_log_prob"] = exp["rollout_log_prob"] * mask
-        metrics = {}
-        token_level_scores = last_token_scores(exp["scores"], mask)
-        token_level_rewards, kl_coef = token_level_scores, state.kl_coef
-        if algo.use_kl_in_reward:
-            token_level_rewards, kl_metrics = kl_lib.apply_kl_penalty(
-                token_level_scores,
-                exp["old_log_prob"],
-                exp["ref_log_prob"],
-                mask,
-                state.kl_coef,
-                algo.kl_penalty,
-            )
-            metrics.update(kl_metrics)
-            kl_coef = kl_lib.kl_ctrl_update(
-                state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b, algo
-            )
-        if correction and not bypass:  # verl's order: after KL in the reward, before advantages
-            weights, mask, corr_metrics = rollout_corr.correct(
-                exp["old_log_prob"], exp["rollout_log_prob"], mask, corr_settings
-            )
-            metrics.update(corr_metrics)
-            exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
-            if weights is not None:
-                exp["rollout_is_weights"] = weights
-        adv = adv_lib.compute_full(
-            algo.adv_estimator,
-            token_level_rewards=token_level_rewards,
-            response_mask=mask,
-            index=jnp.arange(b, dtype=jnp.int32) // n,  # the prompt (group) of each row
-            values=exp.get("values"),
-            reward_baselines=exp.get("reward_baselines"),
-            old_log_prob=exp.get("old_log_prob"),
-            threshold=state.group_threshold,
-            sum_pi_squared=exp.get("sum_pi_squared"),
-            rollout_is_weights=exp.get("rollout_is_weights"),
-            config=algo,
-        )
-        metrics.update(adv["metrics"])
-        exp.update(
-            token_level_rewards=token_level_rewards,
-            advantages=adv["advantages"],
-            returns=adv["returns"],
-            critic_mask=adv[
-                "critic_mask"
-            ],  # where the value loss applies (GROUP-PPO: segment starts)
-        )
-        return exp, metrics, state.replace(kl_coef=kl_coef, group_threshold=adv["next_threshold"])
-
-    def policy_terms(out, mb, counts):
-        """Policy loss (+ KL loss - entropy bonus) of a (micro-)batch from the forward `out`;
-        `counts` normalise by the whole mini-batch (`losses.batch_counts`)."""
-        mask = mb.get("policy_mask", mb["response_mask"])  # rejection-masked under correction
-        old_log_prob = jax.lax.stop_gradient(out["log_prob"]) if on_policy else mb["old_log_prob"]
-        pg_loss, metrics = losses.policy_loss(
-            actor.policy_loss,
-            old_log_prob=old_log_prob,
-            log_prob=out["log_prob"],
-            advantages=mb["advantages"],
-            response_mask=mask,
-            loss_agg_mode=actor.loss_agg_mode,
-            config=loss_cfg,
-            counts=counts,
-            rollout_is_weights=mb.get("rollout_is_weights"),
-        )
-        aggregate = lambda x: losses.agg_loss(
-            x, mask, actor.loss_agg_mode, actor.loss_scale_factor or None, counts
-        )
-        entropy = aggregate(out["entropy"])
-        loss = pg_loss - actor.entropy_coeff * entropy
-        metrics = {**metrics, "actor/pg_loss": pg_loss, "actor/entropy": entropy}
-        if actor.use_kl_loss:
-            kl_loss = aggregate(
-                kl_lib.kl_penalty(out["log_prob"], mb["ref_log_prob"], actor.kl_loss_type)
-            )
-            loss = loss + actor.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss
-        return loss, metrics
-
-    def value_terms(out, mb, counts):
-        vf_loss, vf_clipfrac = losses.value_loss(
-            out["values"],
-            mb["returns"],
-            mb["values"],
-            mb["critic_mask"],
-            critic.cliprange_value,
-            critic.loss_agg_mode,
-            counts,
-        )
-        metrics = {
-            "critic/vf_loss": vf_loss,
-            "critic/vf_clipfrac": vf_clipfrac,
-            "critic/vpred_mean": losses.token_mean(out["values"], mb["critic_mask"], counts),
-        }
-        return vf_loss, metrics
-
-    def actor_loss(params, mb, actor_on, counts, base, key=None):
-        """actor_on (0 / 1): 0 during critic_warmup, so only the value loss trains. `base`: the
-        frozen base under LoRA (`params` are then the adapters), else None. `key`: the
-        micro-batch's LoRA dropout key (lora.dropout > 0), else None."""
-        out = forward(model_cfg, _with_base(cfg, base, params, key), mb, with_entropy=True)
-        loss, metrics = policy_terms(out, mb, counts["policy"])
-        loss = actor_on * loss
-        if shared:
-            vf_loss, vf_metrics = value_terms(out, mb, counts["value"])
-            loss = loss + critic.vf_coef * vf_loss
-            metrics.update(vf_metrics)
-        return loss, metrics
-
-    def critic_loss(critic_params, mb, counts, base, key=None):
-        out = forward(critic_cfg, _with_base(cfg, base, critic_params, key), mb)
-        return value_terms(out, mb, counts["value"])
-
-    def update_minibatch(carry, xs):
-        """One optimizer update of the policy (and the critic) on a mini-batch `xs` = (rows,
-        LoRA dropout key or None). Under the NaN guard (`ok` not None) the update is applied only
-        while everything so far is finite: a select fused into the optimizer's elementwise
-        update, so no second copy of the state."""
-        state, actor_on, ok = carry
-        mb, dropout_key = xs
-        actor_key = critic_key = None
-        if dropout_key is not None:  # policy and critic adapters draw their own masks
-            actor_key, critic_key = jax.random.split(dropout_key)
-        # the whole mini-batch's normalisers; under rejection (verl's trainer): the tokens left,
-        # but every response row for the seq-mean modes
-        counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
-        counts["policy"]["seqs"] = losses.batch_counts(mb["response_mask"])["seqs"]
-        if use_critic:
-            counts["value"] = losses.batch_counts(mb["critic_mask"])
-        base = state.ref_params if lora_on(cfg) else None
-        grads, metrics = accumulate_grads(
-            actor_loss, state.params, mb, micro["actor"], actor_on, counts, base, key=actor_key
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        metrics["actor/grad_norm"] = optax.tree.norm(grads)
-        new = {"params": optax.apply_updates(state.params, updates), "opt_state": opt_state}
-        if use_critic and not shared:
-            grads, critic_metrics = accumulate_grads(
-                critic_loss, state.critic_params, mb, micro["critic"], counts, base, key=critic_key
-            )
-            updates, critic_opt = critic_tx.update(
-                grads, state.critic_opt_state, state.critic_params
-            )
-            critic_metrics["critic/grad_norm"] = optax.tree.norm(grads)
-            metrics.update(critic_metrics)
-            new["critic_params"] = optax.apply_updates(state.critic_params, updates)
-            new["critic_opt_state"] = critic_opt
-        if ok is not None:
-            ok = ok & all_finite(metrics)
-            new = {k: _select(ok, v, getattr(state, k)) for k, v in new.items()}
-        return (state.replace(**new), actor_on, ok), metrics
-
-    def update(state: TrainState, exp: Batch, key, ok=None):
-        """`actor.ppo_epochs` passes of shuffled mini-batch updates. `ok` (the NaN guard: are
-        the reward and advantages finite?) None: every update is applied; else an update is
-        applied only if `ok` and it and every update before it in this step are finite."""
-        keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
-        keys += [] if on_policy else ["old_log_prob"]
-        keys += [k for k in ("policy_mask", "rollout_is_weights") if k in exp]
-        keys += ["ref_log_prob"] if use_ref else []
-        keys += ["values", "returns", "critic_mask"] if use_critic else []
-        data = {k: exp[k] for k in keys}
-        b = exp["response_mask"].shape[0]
-        mb_rows = actor.ppo_mini_batch_size * n
-        num_mb = b // mb_rows
-        actor_on = (state.step >= critic.critic_warmup).astype(jnp.float32)
-
-        def epoch(carry, key):
-            perm = jax.random.permutation(key, b)
-            mbs = jax.tree_util.tree_map(
-                lambda x: x[perm].reshape(num_mb, mb_rows, *x.shape[1:]), data
-            )
-            dropout_keys = None  # one per mini-batch: fresh masks at every update
-            if lora_dropout_on(cfg):
-                dropout_keys = jax.random.split(jax.random.fold_in(key, 1), num_mb)
-            return jax.lax.scan(update_minibatch, carry, (mbs, dropout_keys))
-
-        (state, _, _), metrics = jax.lax.scan(
-            epoch, (state, actor_on, ok), jax.random.split(key, actor.ppo_epochs)
-        )
-        return state, jax.tree_util.tree_map(jnp.mean, metrics)
-
-    return generate, score, update
+    if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward
+        base = rollout_and_reward(spec, params, prompts, key, greedy=True)["acc"]
+        exp["reward_baselines"] = jnp.repeat(base, n)
+    return {**exp, "acc": acc, "scores": scores}
 
 
-def make_step(
-    cfg: ml_collections.ConfigDict,
-    model_cfg: transformer.ModelConfig,
-    reward_fn: Callable,
-    *,
-    eos_id: int,
-    pad_id: int,
-    max_new_tokens: int,
-    mesh=None,
-):
-    """Builds `step(state, prompts) -> (state, metrics)`; `prompts` holds `prompts_per_step(cfg)`
-    rows of the task batch. `model_cfg` is the policy's (see `model_configs`); `mesh` the one the
-    step is jitted over (see `make_phases`)."""
-    generate, score, update = make_phases(
-        cfg,
+def dynamic_sampling(spec: StepSpec, params, pool: Batch, key):
+    """DAPO: keep groups whose scores differ; draw fresh prompts from the pool until B_p such
+    groups are found or the pool's max_num_gen_batches rounds are used (`lax.while_loop`). Slots
+    still empty at the end hold groups without signal from the first round (advantages 0)."""
+    filter_groups, n, b_p = spec.cfg.algorithm.filter_groups, spec.n, spec.cfg.data.train_batch_size
+    rounds = filter_groups.max_num_gen_batches
+    chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
+    take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
+    signal = lambda e: group_has_signal(e[filter_groups.metric], n)
+
+    first = rollout_and_reward(spec, params, take(0), jax.random.fold_in(key, 0))
+    keep = signal(first)
+    order = jnp.argsort(~keep, stable=True)  # groups with signal first
+    rows = (order[:, None] * n + jnp.arange(n)).reshape(-1)
+    buf = jax.tree_util.tree_map(lambda x: x[rows], first)
+
+    def cond(carry):
+        i, filled, _ = carry
+        return (i < rounds) & (filled < b_p)
+
+    def body(carry):
+        i, filled, buf = carry
+        new = rollout_and_reward(spec, params, take(i), jax.random.fold_in(key, i))
+        keep = signal(new)
+        dest = jnp.where(keep, filled + jnp.cumsum(keep) - 1, b_p)  # b_p: dropped
+        dest_rows = (dest[:, None] * n + jnp.arange(n)).reshape(-1)
+        buf = jax.tree_util.tree_map(lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new)
+        return i + 1, jnp.minimum(filled + jnp.sum(keep), b_p), buf
+
+    i, filled, buf = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.sum(keep), buf))
+    return buf, {"training/num_gen_batches": i, "training/filled_groups_ratio": filled / b_p}
+
+
+def generate(spec: StepSpec, state: TrainState, prompts: Batch, key):
+    """Phase 1 (see above)."""
+    params = policy_params(spec.cfg, state)
+    if spec.cfg.algorithm.filter_groups.enable:
+        return dynamic_sampling(spec, params, prompts, key)
+    return rollout_and_reward(spec, params, prompts, key), {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2, compute_advantages(spec, state, experience) -> (experience, metrics, state): old /
+# reference log-probs and values of the rollout, KL in the reward, rollout correction,
+# advantages, returns and the critic's mask; the state carries the next KL coefficient and
+# GROUP-PPO threshold.
+
+
+def forward(spec: StepSpec, model_cfg, params, rows: Batch, **outputs):
+    """`response_outputs` of `rows` (prompt + response) at the rollout's temperature; the
+    entropy, when asked for, has a gradient only if the loss uses it (entropy_coeff != 0)."""
+    return response_outputs(
         model_cfg,
-        reward_fn,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        max_new_tokens=max_new_tokens,
+        params,
+        rows["input_ids"],
+        rows["attention_mask"],
+        rows["response_ids"],
+        rows["response_mask"],
+        spec.cfg.rollout.temperature,
+        entropy_grad=spec.cfg.actor.entropy_coeff != 0,
+        **outputs,
+    )
+
+
+def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
+    """Old (unless on-policy or bypass mode) and reference log-probs and values of some rows.
+    (Bypass mode with a value head on the policy still runs the policy's forward, for the
+    values; its log-probs are then replaced by the rollout's.)"""
+    cfg, out = spec.cfg, {}
+    if not (spec.on_policy or (bypass_mode(cfg) and not spec.shared)):
+        with_spp = spec.needs("sum_pi_squared")
+        old = forward(
+            spec, spec.model_cfg, policy_params(cfg, state), rows, with_sum_pi_squared=with_spp
+        )
+        out["old_log_prob"] = old["log_prob"]
+        if with_spp:
+            out["sum_pi_squared"] = old["sum_pi_squared"]
+    if needs_reference(cfg):
+        out["ref_log_prob"] = forward(spec, spec.model_cfg, reference_params(cfg, state), rows)[
+            "log_prob"
+        ]
+    if spec.use_critic and spec.shared:
+        out["values"] = old["values"]
+    elif spec.use_critic:
+        critic_params = _with_base(cfg, state.ref_params, state.critic_params)
+        out["values"] = forward(spec, spec.critic_cfg, critic_params, rows)["values"]
+    return out
+
+
+def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
+    """Phase 2 (see above)."""
+    cfg, algo = spec.cfg, spec.cfg.algorithm
+    mask = exp["response_mask"]
+    b = mask.shape[0]
+    rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
+    scored = in_micro_batches(
+        lambda r: score_forwards(spec, state, r), rows, spec.micro["log_prob"]
+    )
+    exp = {**exp, **jax.lax.stop_gradient(scored)}
+    if spec.use_critic:
+        exp["values"] = exp["values"] * mask
+    if bypass_mode(cfg):
+        exp["old_log_prob"] = exp["rollout_log_prob"] * mask
+    metrics = {}
+    token_level_scores = last_token_scores(exp["scores"], mask)
+    token_level_rewards, kl_coef = token_level_scores, state.kl_coef
+    if algo.use_kl_in_reward:
+        token_level_rewards, kl_metrics = kl_lib.apply_kl_penalty(
+            token_level_scores,
+            exp["old_log_prob"],
+            exp["ref_log_prob"],
+            mask,
+            state.kl_coef,
+            algo.kl_penalty,
+        )
+        metrics.update(kl_metrics)
+        kl_coef = spec.kl_controller(state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b)
+    if algo.rollout_correction.enable and not bypass_mode(cfg):
+        # verl's order: after KL in the reward, before the advantages
+        settings = rollout_corr.settings(algo.rollout_correction)
+        weights, mask, corr_metrics = rollout_corr.correct(
+            exp["old_log_prob"], exp["rollout_log_prob"], mask, settings
+        )
+        metrics.update(corr_metrics)
+        exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
+        if weights is not None:
+            exp["rollout_is_weights"] = weights
+    adv = spec.estimator(
+        token_level_rewards=token_level_rewards,
+        response_mask=mask,
+        index=jnp.arange(b, dtype=jnp.int32) // spec.n,  # the prompt (group) of each row
+        values=exp.get("values"),
+        reward_baselines=exp.get("reward_baselines"),
+        old_log_prob=exp.get("old_log_prob"),
+        threshold=state.group_threshold,
+        sum_pi_squared=exp.get("sum_pi_squared"),
+        rollout_is_weights=exp.get("rollout_is_weights"),
+    )
+    metrics.update(adv["metrics"])
+    exp.update(
+        token_level_rewards=token_level_rewards,
+        advantages=adv["advantages"],
+        returns=adv["returns"],
+        critic_mask=adv["critic_mask"],  # where the value loss applies (GROUP-PPO: segments)
+    )
+    return exp, metrics, state.replace(kl_coef=kl_coef, group_threshold=adv["next_threshold"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 3, update(spec, state, experience, key, ok) -> (state, metrics): ppo_epochs passes of
+# shuffled mini-batch updates (`lax.scan`) of the policy and the critic.
+
+
+def policy_terms(spec: StepSpec, out: Batch, mb: Batch, counts, key):
+    """Policy loss (+ KL loss - entropy bonus) of a (micro-)batch from the forward `out`;
+    `counts` normalise by the whole mini-batch (`losses.batch_counts`); `key` is the loss's
+    own randomness (clip_cov's choice of tokens)."""
+    actor = spec.cfg.actor
+    mask = mb.get("policy_mask", mb["response_mask"])  # rejection-masked under correction
+    on_policy = spec.on_policy
+    old_log_prob = jax.lax.stop_gradient(out["log_prob"]) if on_policy else mb["old_log_prob"]
+    pg_loss, metrics = spec.policy_loss(
+        old_log_prob,
+        out["log_prob"],
+        mb["advantages"],
+        mask,
+        counts=counts,
+        rollout_is_weights=mb.get("rollout_is_weights"),
+        key=key,
+    )
+    aggregate = lambda x: losses.agg_loss(
+        x, mask, actor.loss_agg_mode, actor.loss_scale_factor or None, counts
+    )
+    entropy = aggregate(out["entropy"])
+    loss = pg_loss - actor.entropy_coeff * entropy
+    metrics = {**metrics, "actor/pg_loss": pg_loss, "actor/entropy": entropy}
+    if actor.use_kl_loss:
+        kl = kl_lib.kl_penalty(out["log_prob"], mb["ref_log_prob"], actor.kl_loss_type)
+        kl_loss = aggregate(kl)
+        loss = loss + actor.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss
+    return loss, metrics
+
+
+def value_terms(spec: StepSpec, out: Batch, mb: Batch, counts):
+    """verl's clipped value loss of a (micro-)batch and its metrics."""
+    critic = spec.cfg.critic
+    vf_loss, vf_clipfrac = losses.value_loss(
+        out["values"],
+        mb["returns"],
+        mb["values"],
+        mb["critic_mask"],
+        critic.cliprange_value,
+        critic.loss_agg_mode,
+        counts,
+    )
+    metrics = {
+        "critic/vf_loss": vf_loss,
+        "critic/vf_clipfrac": vf_clipfrac,
+        "critic/vpred_mean": losses.token_mean(out["values"], mb["critic_mask"], counts),
+    }
+    return vf_loss, metrics
+
+
+def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
+    """The policy's loss (with the value loss when the critic shares its backbone). `base`: the
+    frozen base under LoRA (`params` are then the adapters), else None. `actor_on` (0 / 1): 0
+    during critic warm-up, when only a shared value head's loss trains the network. `key`: the
+    micro-batch's randomness (LoRA dropout, then the policy loss's)."""
+    full = _with_base(spec.cfg, base, params, key)
+    out = forward(spec, spec.model_cfg, full, mb, with_entropy=True)
+    loss, metrics = policy_terms(spec, out, mb, counts["policy"], jax.random.fold_in(key, 1))
+    if spec.shared:
+        vf_loss, vf_metrics = value_terms(spec, out, mb, counts["value"])
+        loss = actor_on * loss + spec.cfg.critic.vf_coef * vf_loss
+        metrics.update(vf_metrics)
+    return loss, metrics
+
+
+def critic_loss(critic_params, mb: Batch, spec: StepSpec, counts, base, key):
+    full = _with_base(spec.cfg, base, critic_params, key)
+    return value_terms(spec, forward(spec, spec.critic_cfg, full, mb), mb, counts["value"])
+
+
+def mini_batch_counts(spec: StepSpec, mb: Batch) -> dict:
+    """The whole mini-batch's normalisers of the losses; under rejection (verl's trainer): the
+    tokens left, but every response row for the seq-mean modes."""
+    counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
+    counts["policy"]["seqs"] = losses.batch_counts(mb["response_mask"])["seqs"]
+    if spec.use_critic:
+        counts["value"] = losses.batch_counts(mb["critic_mask"])
+    return counts
+
+
+def apply_grads(tx, grads, params, opt_state, apply):
+    """(params, opt_state) after one optimizer update with `grads`, or unchanged where `apply`
+    (a bool scalar, or None: always) is False: a select fused into the elementwise update, so
+    no second copy of the state."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_opt_state)
+    return new if apply is None else _select(apply, new, (params, opt_state))
+
+
+def update_minibatch(spec: StepSpec, carry, xs):
+    """One optimizer update of the policy (and the critic) on a mini-batch `xs` = (rows, key).
+    carry = (state, actor_on, ok): the policy is updated only if `actor_on` (past
+    critic.critic_warmup; verl skips the actor's update entirely, weight decay and Adam's
+    count included); under the NaN guard (`ok` not None) nothing is applied unless everything
+    so far is finite."""
+    state, actor_on, ok = carry
+    mb, key = xs
+    actor_key, critic_key = jax.random.split(key)  # policy and critic draw their own masks
+    counts = mini_batch_counts(spec, mb)
+    base = state.ref_params if lora_on(spec.cfg) else None
+    grads, metrics = accumulate_grads(
+        actor_loss, state.params, mb, spec.micro["actor"], spec, counts, base, actor_on,
+        key=actor_key,
+    )
+    metrics["actor/grad_norm"] = optax.tree.norm(grads)
+    critic_grads = None
+    if spec.use_critic and not spec.shared:
+        critic_grads, critic_metrics = accumulate_grads(
+            critic_loss, state.critic_params, mb, spec.micro["critic"], spec, counts, base,
+            key=critic_key,
+        )
+        critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
+        metrics.update(critic_metrics)
+    if ok is not None:
+        ok = ok & all_finite(metrics)
+    # a shared backbone trains through the value loss during warm-up (its pg loss is zeroed)
+    skip_actor = spec.cfg.critic.critic_warmup > 0 and not spec.shared
+    apply_actor = (ok if ok is not None else True) & actor_on if skip_actor else ok
+    params, opt_state = apply_grads(spec.tx, grads, state.params, state.opt_state, apply_actor)
+    state = state.replace(params=params, opt_state=opt_state)
+    if critic_grads is not None:
+        critic_params, critic_opt_state = apply_grads(
+            spec.critic_tx, critic_grads, state.critic_params, state.critic_opt_state, ok
+        )
+        state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt_state)
+    return (state, actor_on, ok), metrics
+
+
+def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
+    """Phase 3 (see above). `ok` (the NaN guard: are the reward and advantages finite?) None:
+    every update is applied; else an update is applied only if `ok` and it and every update
+    before it in this step are finite."""
+    actor, cfg = spec.cfg.actor, spec.cfg
+    keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
+    keys += [] if spec.on_policy else ["old_log_prob"]
+    keys += [k for k in ("policy_mask", "rollout_is_weights") if k in exp]
+    keys += ["ref_log_prob"] if needs_reference(cfg) else []
+    keys += ["values", "returns", "critic_mask"] if spec.use_critic else []
+    data = {k: exp[k] for k in keys}
+    b = exp["response_mask"].shape[0]
+    mb_rows = actor.ppo_mini_batch_size * spec.n
+    num_mb = b // mb_rows
+    actor_on = state.step >= cfg.critic.critic_warmup
+
+    def epoch(carry, key):
+        perm = jax.random.permutation(key, b)
+        mbs = jax.tree_util.tree_map(lambda x: x[perm].reshape(num_mb, mb_rows, *x.shape[1:]), data)
+        mb_keys = jax.random.split(jax.random.fold_in(key, 1), num_mb)  # fresh at every update
+        return jax.lax.scan(functools.partial(update_minibatch, spec), carry, (mbs, mb_keys))
+
+    (state, _, _), metrics = jax.lax.scan(
+        epoch, (state, actor_on, ok), jax.random.split(key, actor.ppo_epochs)
+    )
+    return state, jax.tree_util.tree_map(jnp.mean, metrics)
+
+
+def make_phases(cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None):
+    """The three phases bound to the config's `StepSpec` (`make_spec` takes these arguments):
+    (generate, compute_advantages, update). The fused step chains them; the benchmark jits them
+    one by one to time each."""
+    spec = make_spec(
+        cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
         mesh=mesh,
     )
-    actor_lr, critic_lr = lr_schedule(cfg.actor), lr_schedule(cfg.critic)
+    return tuple(functools.partial(f, spec) for f in (generate, compute_advantages, update))
 
-    def step(state: TrainState, prompts: Batch):
-        key, k_roll, k_shuffle = jax.random.split(state.key, 3)
-        exp, metrics = generate(state, prompts, k_roll)
-        exp, score_metrics, scored_state = score(state, exp)
-        metrics.update(score_metrics)
-        metrics.update(experience_metrics(exp, max_new_tokens))
-        # NaN / Inf guard: no update is applied when the reward or advantages are not finite,
-        # nor from the first mini-batch whose loss or gradient is not finite on (`update`).
-        guard = all_finite(metrics) if cfg.nan_guard.enable else None
-        new_state, update_metrics = update(scored_state, exp, k_shuffle, guard)
-        metrics.update(update_metrics)
-        first_update = state.step * updates_per_step(cfg)  # the lr of this step's first update
-        metrics["actor/lr"] = actor_lr(first_update)
-        if "values" in exp:
-            metrics["critic/lr"] = critic_lr(first_update)
-        finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
-        ok = jnp.all(jnp.stack(list(finite.values())))
-        if cfg.nan_guard.enable:  # a skipped step keeps its KL coefficient and GROUP-PPO tau
-            new_state = new_state.replace(
-                kl_coef=jnp.where(ok, new_state.kl_coef, state.kl_coef),
-                group_threshold=jnp.where(ok, new_state.group_threshold, state.group_threshold),
-            )
-        metrics.update({f"training/finite/{k}": v.astype(jnp.int32) for k, v in finite.items()})
-        metrics["training/step_skipped"] = (~ok).astype(jnp.int32)
-        skipped = state.skipped_steps + (~ok).astype(jnp.int32)
-        metrics["training/skipped_steps"] = skipped
-        new_state = new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key)
-        return new_state, metrics
 
-    return step
+# ---------------------------------------------------------------------------------------------
+# The fused step.
+
+
+def schedule_count(opt_state) -> jax.Array:
+    """Optimizer updates applied so far: the count of the learning-rate schedule's state (it
+    does not advance on an update the NaN guard or critic warm-up left out)."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    (found,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(s)]
+    return found.count
+
+
+def rl_step(spec: StepSpec, state: TrainState, prompts: Batch):
+    """One RL step: (state, prompts) -> (next state, metrics); see `make_step`."""
+    cfg = spec.cfg
+    key, k_roll, k_shuffle = jax.random.split(state.key, 3)
+    exp, metrics = generate(spec, state, prompts, k_roll)
+    exp, adv_metrics, scored_state = compute_advantages(spec, state, exp)
+    metrics.update(adv_metrics)
+    metrics.update(experience_metrics(exp, spec.max_new_tokens))
+    # NaN / Inf guard: no update is applied when the reward or advantages are not finite,
+    # nor from the first mini-batch whose loss or gradient is not finite on (`update`).
+    guard = all_finite(metrics) if cfg.nan_guard.enable else None
+    new_state, update_metrics = update(spec, scored_state, exp, k_shuffle, guard)
+    metrics.update(update_metrics)
+    # the learning rate of this step's first update (the optimizers' own counts)
+    metrics["actor/lr"] = lr_schedule(cfg.actor)(schedule_count(state.opt_state))
+    if "values" in exp:
+        opt_state = state.opt_state if spec.shared else state.critic_opt_state
+        metrics["critic/lr"] = lr_schedule(cfg.critic)(schedule_count(opt_state))
+    finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
+    ok = jnp.all(jnp.stack(list(finite.values())))
+    if cfg.nan_guard.enable:  # a skipped step keeps its KL coefficient and GROUP-PPO tau
+        new_state = new_state.replace(
+            kl_coef=jnp.where(ok, new_state.kl_coef, state.kl_coef),
+            group_threshold=jnp.where(ok, new_state.group_threshold, state.group_threshold),
+        )
+    metrics.update({f"training/finite/{k}": v.astype(jnp.int32) for k, v in finite.items()})
+    metrics["training/step_skipped"] = (~ok).astype(jnp.int32)
+    skipped = state.skipped_steps + (~ok).astype(jnp.int32)
+    metrics["training/skipped_steps"] = skipped
+    return new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key), metrics
+
+
+def make_step(cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None):
+    """`step(state, prompts) -> (state, metrics)`, one function for `jax.jit`; `prompts` holds
+    `prompts_per_step(cfg)` rows of the task batch. The arguments are `make_spec`'s."""
+    spec = make_spec(
+        cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        mesh=mesh,
+    )
+    return functools.partial(rl_step, spec)
 
 
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:

@@ -35,8 +35,8 @@ def jrl_stage(out: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from configs import grpo_math
-    from jrl import export as export_lib
-    from jrl import models, train
+    from jrl import exporter as export_lib
+    from jrl import models, trainer
     from jrl import tokenizer as tokenizer_lib
     from jrl.models import lora
     from jrl.models import transformer as tfm
@@ -55,7 +55,7 @@ def jrl_stage(out: str) -> None:
     cfg.actor.lr, cfg.actor.use_kl_loss, cfg.actor.entropy_coeff = 1e-2, True, 0.01
     cfg.checkpoint.async_save = False
     run_dir = os.path.join(out, "run")
-    train.run(cfg, run_dir)
+    trainer.run(cfg, run_dir)
     export_lib.export(run_dir, os.path.join(out, "merged"))
     export_lib.export(run_dir, os.path.join(out, "adapter"), adapter_only=True)
     _, policy_cfg = export_lib.policy_model(cfg)

@@ -11,7 +11,7 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
-from jrl import train
+from jrl import trainer
 from jrl.algos import advantages, losses
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,11 +32,11 @@ def _small(cfg):
 
 
 def _run_three_steps(cfg):
-    tok, task, reward_fn, model_cfg = train.build(cfg)
-    params = train.initial_params(cfg, model_cfg, jax.random.key(0))
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     traces = []
-    inner = step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task))
+    inner = step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
 
     def counted(state, batch):
         traces.append(1)

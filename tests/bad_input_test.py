@@ -261,7 +261,7 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
     counts come before any RL step, so no step needs compiling)."""
     sys.path.insert(0, REPO)
     from configs import grpo_math
-    from jrl import train
+    from jrl import trainer
 
     def question(a, b):
         return {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
@@ -294,7 +294,7 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
 
     monkeypatch.setattr(train, "MetricWriter", StopAfterStep0)
     with pytest.raises(_StopAfterStep0):
-        train.run(cfg, str(tmp_path / "run"))
+        trainer.run(cfg, str(tmp_path / "run"))
     (row,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     counted = {"drop": too_long, "truncate": {"train": 0, "eval": 0}}[mode]
     cut = {"truncate": too_long, "drop": {"train": 0, "eval": 0}}[mode]
@@ -308,7 +308,7 @@ def test_data_file_without_read_permission(data, monkeypatch):
     sys.path.insert(0, REPO)
     from configs import grpo_math
     from jrl import config as config_lib
-    from jrl import train
+    from jrl import trainer
 
     path = os.path.join(data, "train.jsonl")
     access = os.access
@@ -317,7 +317,7 @@ def test_data_file_without_read_permission(data, monkeypatch):
     cfg.task.name, cfg.task.reward, cfg.warmup.sft_steps = "gsm8k", "gsm8k", 0
     cfg.task.train_files, cfg.task.eval_size = path, 2
     with pytest.raises(config_lib.ConfigError) as e:
-        train.build(cfg)
+        trainer.build(cfg)
     assert str(e.value) == (
         f"train file {path!r} is not readable (permission denied): make it readable (chmod a+r) "
         "or copy it somewhere this user can read."

@@ -14,7 +14,7 @@ import optax
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jrl import data, samples, train
+from jrl import data, samples, trainer
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
 
@@ -145,7 +145,7 @@ def test_warmup_stops_at_the_first_step_reaching_the_target(monkeypatch):
             return {"x": np.zeros(1)}
 
     monkeypatch.setattr(step_lib, "make_sft_step", make_sft_step)
-    params, steps, accuracy = train.sft_warmup(
+    params, steps, accuracy = trainer.sft_warmup(
         cfg, None, Task(), {"n": jnp.int32(0)}, accuracy_fn
     )
     assert (steps, accuracy, int(params["n"])) == (15, 0.30, 15)

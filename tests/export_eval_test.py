@@ -17,10 +17,10 @@ import pytest
 from flax import traverse_util
 
 import jrl.models
-from jrl import eval as eval_lib
-from jrl import export as export_lib
+from jrl import evaluator as eval_lib
+from jrl import exporter as export_lib
 from jrl import tokenizer as tokenizer_lib
-from jrl import train
+from jrl import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -40,8 +40,8 @@ def run(tmp_path_factory):
     cfg.warmup.sft_lr = 3e-3
     cfg.warmup.check_every = 25
     workdir = str(tmp_path_factory.mktemp("run"))
-    train.run(cfg, workdir)
-    _, task, _, _ = train.build(cfg)
+    trainer.run(cfg, workdir)
+    _, task, _, _ = trainer.build(cfg)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return workdir, task.eval_batch(), rows

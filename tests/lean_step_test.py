@@ -18,7 +18,7 @@ import pytest
 from jrl import config as config_lib
 from jrl import sharding
 from jrl import step as step_lib
-from jrl import train
+from jrl import trainer
 from jrl.models import transformer as tfm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,9 +155,9 @@ def _tiny(**changes):
 
 
 def _phases(cfg, mesh=None):
-    tok, task, reward_fn, model_cfg = train.build(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
     phases = step_lib.make_phases(
-        cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task), mesh=mesh
+        cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task), mesh=mesh
     )
     return task, model_cfg, phases
 
@@ -238,8 +238,8 @@ def test_fused_step_with_everything_on_equals_everything_off():
     }
     results = []
     for cfg in (_tiny(), _tiny(**lean)):
-        tok, task, reward_fn, model_cfg = train.build(cfg)
-        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+        tok, task, reward_fn, model_cfg = trainer.build(cfg)
+        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
         key = jax.random.key(0)
         state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
         metrics = []
@@ -334,14 +334,14 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     results = []
     for shortcut in (True, False):
         monkeypatch.setattr(step_lib, "on_policy_update", lambda c, s=shortcut: s)
-        tok, task, reward_fn, model_cfg = train.build(cfg)
-        phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task))
+        tok, task, reward_fn, model_cfg = trainer.build(cfg)
+        phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
         key = jax.random.key(0)
         state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
         exp, _ = jax.jit(phases[0])(state, task.train_batch(0, 4), key)
         scored, _, _ = jax.jit(phases[1])(state, exp)
         assert ("old_log_prob" in scored) != shortcut
-        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
         metrics = []
         for i in range(2):
             state, m = step(state, task.train_batch(i, 4))

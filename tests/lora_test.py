@@ -182,14 +182,14 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     every adapter matrix moves, the optimizer holds moments of the adapters only, and the score
     phase's reference log-probs are the base model's."""
     from jrl import step as step_lib
-    from jrl import train
+    from jrl import trainer
 
     cfg = _grpo_lora_cfg()
-    tok, task, reward_fn, model_cfg = train.build(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
     params = tfm.init_params(model_cfg, jax.random.key(0))
     want_base = jax.tree.map(np.asarray, params)
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
-    ids = train.sampling_ids(tok, task)
+    ids = trainer.sampling_ids(tok, task)
     traces = []
     fused = step_lib.make_step(cfg, model_cfg, reward_fn, **ids)
 
@@ -224,11 +224,11 @@ def test_dropout_changes_the_update_only():
     """lora.dropout > 0: the rollout and the scoring forwards trace exactly as without dropout;
     the update's losses and gradients change, and with the update's key (the step's)."""
     from jrl import step as step_lib
-    from jrl import train
+    from jrl import trainer
 
     cfg = _grpo_lora_cfg()
-    tok, task, reward_fn, model_cfg = train.build(cfg)
-    ids = train.sampling_ids(tok, task)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
     state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1))
     state = state.replace(params=_moved(state.params, jax.random.key(3)))
     dropped = cfg.copy_and_resolve_references()
@@ -285,8 +285,8 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     import safetensors.numpy
 
     from jrl import checkpoint as checkpoint_lib
-    from jrl import export as export_lib
-    from jrl import models, train
+    from jrl import exporter as export_lib
+    from jrl import models, trainer
     from jrl import step as step_lib
     from jrl import tokenizer as tokenizer_lib
 
@@ -304,12 +304,12 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     cfg.total_steps, cfg.data.train_batch_size, cfg.rollout.n = 2, 2, 2  # 2 updates per step
     cfg.actor.ppo_mini_batch_size, cfg.task.eval_size = 1, 4
     first, second = str(tmp_path / "run"), str(tmp_path / "resumed")
-    train.run(cfg, first)
+    trainer.run(cfg, first)
     reference = os.path.join(first, checkpoint_lib.REFERENCE_DIR)
     assert not os.path.exists(reference) or not os.listdir(reference)  # no base saved
     shutil.copytree(first, second)
     shutil.rmtree(os.path.join(second, "checkpoints", "2"))
-    train.run(cfg, second)  # resumes from step 1
+    trainer.run(cfg, second)  # resumes from step 1
     rows = [
         [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         for d in (first, second)
@@ -329,9 +329,9 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     other = cfg.copy_and_resolve_references()
     other.model.hf_path = changed
     with pytest.raises(workdir_lib.ChangedInputsError, match="model.hf_path/config.json"):
-        train.run(other, second)  # the run's input check: the base's files changed
+        trainer.run(other, second)  # the run's input check: the base's files changed
     with pytest.raises(checkpoint_lib.CheckpointError, match="not the one the LoRA checkpoints"):
-        train.run(other, second, allow_changes=True)  # and past it, the checkpoint's own record
+        trainer.run(other, second, allow_changes=True)  # and past it, the checkpoint's own record
 
     merged_dir, peft_dir = str(tmp_path / "merged"), str(tmp_path / "peft")
     export_lib.export(first, merged_dir)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import step as step_lib
-from jrl import train
+from jrl import trainer
 from jrl.models import transformer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,12 +51,12 @@ def test_fused_step_in_bfloat16_keeps_float32_state():
     cfg = grpo_math.get_config("tiny")
     cfg.warmup.sft_steps = 0
     cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
-    tok, task, reward_fn, model_cfg = train.build(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
     assert model_cfg.dtype == "bfloat16"
-    params = train.initial_params(cfg, model_cfg, jax.random.key(0))
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     step = jax.jit(
-        step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)),
+        step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)),
         donate_argnums=0,
     )
     for i in range(2):

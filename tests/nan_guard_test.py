@@ -12,7 +12,7 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
-from jrl import train
+from jrl import trainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import grpo_math  # noqa: E402
@@ -35,9 +35,9 @@ def cfg(monkeypatch):
 
 def test_nan_reward_steps_are_skipped_counted_and_stop_the_run(cfg, tmp_path):
     with pytest.raises(
-        train.NonFiniteError, match=r"stopped at step 3: 3 steps in a row .*critic/score/mean"
+        trainer.NonFiniteError, match=r"stopped at step 3: 3 steps in a row .*critic/score/mean"
     ):
-        train.run(cfg, str(tmp_path))
+        trainer.run(cfg, str(tmp_path))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][1:]
     assert [r["training/skipped_steps"] for r in rows] == [1, 2, 3]
     assert all(r["training/step_skipped"] == 1 for r in rows)
@@ -45,11 +45,11 @@ def test_nan_reward_steps_are_skipped_counted_and_stop_the_run(cfg, tmp_path):
 
 
 def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
-    tok, task, reward_fn, model_cfg = train.build(cfg)
-    params = train.initial_params(cfg, model_cfg, jax.random.key(0))
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
     new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
     assert int(metrics["training/step_skipped"]) == 1 and int(new.step) == 1
     after = jax.tree.map(np.asarray, (new.params, new.opt_state))
@@ -58,8 +58,8 @@ def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
 
 def test_guard_off_stops_at_the_first_bad_step(cfg, tmp_path):
     cfg.nan_guard.enable = False
-    with pytest.raises(train.NonFiniteError, match=r"step 1: critic/score/mean is not finite"):
-        train.run(cfg, str(tmp_path))
+    with pytest.raises(trainer.NonFiniteError, match=r"step 1: critic/score/mean is not finite"):
+        trainer.run(cfg, str(tmp_path))
 
 
 def test_a_non_finite_loss_applies_no_update(monkeypatch):
@@ -73,12 +73,12 @@ def test_a_non_finite_loss_applies_no_update(monkeypatch):
     monkeypatch.setitem(losses.POLICY_LOSSES, "nan_loss", nan_loss)
     cfg = grpo_math.get_config("tiny")
     cfg.actor.policy_loss = "nan_loss"
-    tok, task, reward_fn, model_cfg = train.build(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
     state = step_lib.init_state(
-        cfg, model_cfg, train.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
+        cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **train.sampling_ids(tok, task)))
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
     new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
     assert int(metrics["training/finite/critic/score/mean"]) == 1
     assert int(metrics["training/finite/actor/pg_loss"]) == 0

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from jrl import checkpoint as checkpoint_lib
-from jrl import train
+from jrl import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 
@@ -89,7 +89,7 @@ def final_params(workdir):
     """The last checkpoint's policy parameters, restored onto one device (whatever mesh wrote
     them)."""
     cfg = config()
-    _, _, _, model_cfg = train.build(cfg)
+    _, _, _, model_cfg = trainer.build(cfg)
     abstract = jax.eval_shape(
         lambda: step_lib.init_state(
             cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
@@ -153,7 +153,7 @@ def meshes(tmp_path_factory):
     try:
         for shape in MESHES:
             workdir = tmp_path_factory.mktemp("mesh_" + "x".join(map(str, shape)))
-            train.run(config(**{"mesh.shape": shape}), str(workdir))
+            trainer.run(config(**{"mesh.shape": shape}), str(workdir))
             ckpt_dir = os.path.join(str(workdir), checkpoint_lib.CHECKPOINTS_DIR)
             out[shape] = (workdir, next(v for k, v in shards.items() if str(k) == ckpt_dir))
     finally:

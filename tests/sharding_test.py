@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jrl import sharding, train
+from jrl import sharding, trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 
@@ -174,8 +174,8 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
     cfg = grpo_math.get_config("tiny")
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
-    tok, task, _, model_cfg = train.build(cfg)
-    step = step_lib.make_step(cfg, model_cfg, varied_reward, **train.sampling_ids(tok, task))
+    tok, task, _, model_cfg = trainer.build(cfg)
+    step = step_lib.make_step(cfg, model_cfg, varied_reward, **trainer.sampling_ids(tok, task))
     init = lambda: step_lib.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
     )

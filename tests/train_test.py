@@ -14,7 +14,7 @@ from jrl import models
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import transformer
 from jrl import step as step_lib
-from jrl import train
+from jrl import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -55,7 +55,7 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
     cfg = grpo_math.get_config("tiny")
     cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
     monkeypatch.chdir(tmp_path.parent)
-    final = train.run(
+    final = trainer.run(
         cfg, tmp_path.name
     )  # a relative workdir, like the default runs/<config>/<time>
     assert len(traces) == 1, f"the fused step was traced {len(traces)} times in 3 steps"
@@ -182,7 +182,7 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
     cfg.data.max_response_length = 6
     cfg.warmup.sft_steps = 0
     workdir = tmp_path / "run"
-    train.run(cfg, str(workdir))
+    trainer.run(cfg, str(workdir))
     assert len(traces) == 1
     got = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in got] == [0, 1, 2, 3]
@@ -190,7 +190,7 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
         for name in VERL_METRICS:
             assert math.isfinite(r[name]), (name, r[name])
     # Round trip: the trained policy exported as an HF checkpoint reloads with identical logits.
-    from jrl import export as export_lib
+    from jrl import exporter as export_lib
 
     out = tmp_path / "exported"
     assert export_lib.export(str(workdir), str(out)) == 3

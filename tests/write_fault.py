@@ -18,7 +18,7 @@ from absl import app
 
 from jrl import checkpoint as checkpoint_lib
 from jrl import logging as metric_files
-from jrl import train
+from jrl import cli, train
 
 
 def _enospc(path):
@@ -80,4 +80,4 @@ def install(target: str, n: int) -> None:
 if __name__ == "__main__":
     target, _, n = sys.argv.pop(1).partition(":")
     install(target, int(n))
-    app.run(train.main, flags_parser=train.parse_flags)
+    app.run(train.main, flags_parser=cli.parse_flags)

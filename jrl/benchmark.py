@@ -1,0 +1,173 @@
+"""The benchmark's workloads and measurements: `run(workload)` times the fused step and its three
+phases, `memory_report(cfg)` compiles a config's step and reads XLA's memory analysis. The
+command line and what is reported: jrl/bench.py."""
+
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jrl import config as config_lib
+from jrl import sharding
+from jrl import step as step_lib
+from jrl import tokenizer as tokenizer_lib
+from jrl import trainer
+from jrl.data.arithmetic import ArithmeticTask
+from jrl.models import transformer
+from jrl.rewards import get_reward
+
+WORKLOADS = {
+    "W1": dict(
+        model=dict(
+            hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+        ),
+        prompts=8,
+        n=4,
+        new_tokens=16,
+    ),
+    "W2": dict(
+        model=dict(
+            hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024
+        ),
+        prompts=16,
+        n=8,
+        new_tokens=64,
+    ),
+}
+
+def workload_config(name: str):
+    w = WORKLOADS[name]
+    cfg = config_lib.base_config()
+    cfg.model.update(w["model"])
+    cfg.model.qkv_bias = True  # Qwen2-style
+    cfg.model.tie_word_embeddings = True
+    cfg.data.train_batch_size = w["prompts"]
+    cfg.data.max_response_length = w["new_tokens"]
+    cfg.rollout.n = w["n"]
+    cfg.actor.ppo_mini_batch_size = w["prompts"]  # one optimizer update per step
+    cfg.actor.ppo_epochs = 1
+    config_lib.validate(cfg)
+    return cfg
+
+
+def _median_seconds(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(name: str, steps: int = 10) -> dict:
+    cfg = workload_config(name)
+    w = WORKLOADS[name]
+    tok = tokenizer_lib.char_tokenizer()
+    task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
+    model_cfg = trainer.model_config(cfg, len(tok))
+    # eos_id=-1: no row ever stops early, so every step decodes exactly `new_tokens` tokens.
+    ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
+    reward_fn = get_reward(cfg.task.reward)
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    state = step_lib.init_state(
+        cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
+    )
+    batch = jax.device_put(task.train_batch(0, w["prompts"]))
+
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
+    t = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t
+    state, metrics = compiled(state, batch)  # one untimed step
+
+    def one_step():
+        nonlocal state
+        state, m = compiled(state, batch)
+        return m
+
+    step_s = _median_seconds(one_step, steps)
+
+    generate, score, update = (
+        jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
+    )
+    key = jax.random.key(1)
+    exp, _ = jax.block_until_ready(generate(state, batch, key))
+    scored, _, _ = jax.block_until_ready(score(state, exp))
+    jax.block_until_ready(update(state, scored, key))
+    phases = {
+        "rollout_and_reward": _median_seconds(lambda: generate(state, batch, key), steps),
+        "logprobs_and_advantages": _median_seconds(lambda: score(state, exp), steps),
+        "update": _median_seconds(lambda: update(state, scored, key), steps),
+    }
+    rows = w["prompts"] * w["n"]
+    generated = rows * w["new_tokens"]
+    total = generated + int(np.sum(batch["attention_mask"])) * w["n"]
+    return {
+        "workload": name,
+        "device": str(jax.devices()[0].device_kind),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "rows": rows,
+        "new_tokens": w["new_tokens"],
+        "compile_s": round(compile_s, 3),
+        "step_s_median": round(step_s, 5),
+        "generated_tokens_per_s": round(generated / step_s, 1),
+        "total_tokens_per_s": round(total / step_s, 1),
+        "phase_s_median": {k: round(v, 5) for k, v in phases.items()},
+    }
+
+
+def memory_report(cfg) -> dict:
+    """XLA's compile-time memory analysis of the fused step of `cfg` on the current devices and
+    `cfg.mesh`, per device, from abstract inputs: nothing is allocated or run. Bytes:
+    `argument_bytes` (train state + prompt batch), `output_bytes`, `alias_bytes` (outputs written
+    into the donated state), `temp_bytes` (everything the step allocates while it runs), and
+    `peak_bytes` = arguments + outputs - aliased + temporaries (XLA's own `peak_memory_in_bytes`
+    is not filled in on every backend)."""
+    config_lib.validate(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    key = jax.random.key(0)
+    init = lambda: step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
+    step_fn, abstract, state_sh, batch_sh = trainer.jit_step(
+        cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task), mesh, init
+    )
+    batch = task.train_batch(0, step_lib.prompts_per_step(cfg))  # host arrays: only shapes used
+    abstract_in = lambda tree, sh: jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh
+    )
+    t = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(
+            abstract_in(abstract, state_sh), abstract_in(batch, jax.tree.map(lambda _: batch_sh, batch))
+        ).compile()
+    compile_s = time.perf_counter() - t
+    m = compiled.memory_analysis()
+    argument, output, alias, temp = (
+        m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes
+    )
+    peak = argument + output - alias + temp
+    prompts = step_lib.prompts_per_step(cfg)
+    return {
+        "temp_bytes": int(temp),
+        "argument_bytes": int(argument),
+        "output_bytes": int(output),
+        "alias_bytes": int(alias),
+        "peak_bytes": int(peak),
+        "peak_gb": round(peak / 1e9, 2),
+        "compile_s": round(compile_s, 1),
+        "devices": jax.device_count(),
+        "device": str(jax.devices()[0].device_kind),
+        "mesh": dict(mesh.shape),
+        "prompts": prompts,
+        "rows": prompts * cfg.rollout.n,
+        "mini_batch_rows": cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+        "prompt_length": int(batch["input_ids"].shape[1]),
+        "response_length": int(task.max_response_length),
+        "params": int(sum(x.size for x in jax.tree.leaves(abstract.params))),
+    }

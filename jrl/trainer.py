@@ -1,0 +1,493 @@
+"""The trainer as a library: `run(cfg, workdir)` trains (or resumes) one run; `build`,
+`model_config`, `initial_params`, `jit_step` and `sampling_ids` are the pieces the other tools
+(jrl.evaluator, jrl.exporter, jrl.benchmark) and the tests share. The command line is jrl/train.py.
+
+Read `run` top to bottom: validate the config, build the tokenizer, task, reward and model,
+resume from the workdir's newest valid checkpoint or warm up (optional supervised steps), then
+loop over RL steps. Each RL step is one jitted call of the fused step (jrl/step.py); the host only
+feeds prompt batches, writes metrics and saves checkpoints. Multi-host: every process runs the
+same `run`; each feeds only the prompt rows its devices hold; process 0 writes metrics,
+tensorboard and config.json; all save checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from absl import logging
+from etils import epath
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jrl import checkpoint as checkpoint_lib
+from jrl import console
+from jrl import samples as samples_lib
+from jrl import config as config_lib
+from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
+from jrl import logging as metric_files
+from jrl import workdir as workdir_lib
+from jrl.logging import MetricWriter, ProgressBar, to_python
+from jrl.models import lora as lora_lib
+from jrl.models import transformer
+
+def init_distributed(
+    distributed: bool = False,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """jax.distributed.initialize() for a multi-host run (`distributed`, or any coordinator
+    setting given; with none JAX reads them from the environment); before anything touches a
+    device. A single-process run skips it."""
+    given = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if not (distributed or given):
+        return
+    jax.distributed.initialize(**given)
+    logging.info(
+        "process %d of %d: %d local devices, %d in all",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
+def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
+    """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`).
+    With LoRA the frozen base is held in the compute dtype (`model.dtype`)."""
+    frozen = {"param_dtype": cfg.model.dtype} if step_lib.lora_on(cfg) else {}
+    if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
+        hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
+        return dataclasses.replace(
+            hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
+        )
+    fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
+    fields["head_dim"] = fields["head_dim"] or None
+    vocab_size = cfg.model.get("vocab_size") or vocab_size  # 0: the tokenizer's size
+    return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **frozen})
+
+
+def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shardings=None):
+    """Fresh parameters, or the HF checkpoint's; parts the checkpoint lacks (a value head on a
+    shared backbone) are freshly initialised. With `mesh` and `shardings` (the params' tree of
+    NamedShardings) they are created in place on the devices."""
+    loaded = {}
+    if cfg.model.hf_path:  # streamed tensor by tensor, each straight into its shards
+        _, loaded = models.load_pretrained(
+            cfg.model.hf_path, dtype=model_cfg.param_dtype, shardings=shardings
+        )
+
+    def init():  # only what the checkpoint lacks (XLA drops the rest of the computation)
+        fresh = transformer.init_params(model_cfg, key)
+        return {k: v for k, v in fresh.items() if k not in loaded}
+
+    if mesh is not None:
+        abstract = jax.eval_shape(init)
+        init = sharding.sharded_init(init, mesh, {k: shardings[k] for k in abstract})
+    return {**init(), **loaded}
+
+
+def sampling_ids(tok, task) -> dict:
+    """The token ids and response length that make_step / make_phases / make_eval take."""
+    return {
+        "eos_id": tok.eos_token_id,
+        "pad_id": tok.pad_token_id,
+        "max_new_tokens": task.max_response_length,
+    }
+
+
+def prompt_counts(task) -> dict:
+    """Prompts longer than data.max_prompt_length that the task dropped or truncated, as step-0
+    metrics: `data/prompts_dropped`, `data/prompts_truncated` (`.../<split>` when counted per
+    split)."""
+    out = {}
+    for name, attr in (("dropped", "num_dropped"), ("truncated", "num_truncated")):
+        count = getattr(task, attr, 0)  # an int, or a dict per split
+        if isinstance(count, dict):
+            out.update({f"data/prompts_{name}/{split}": int(n) for split, n in count.items()})
+        else:
+            out[f"data/prompts_{name}"] = int(count)
+    return out
+
+
+def reward_options(cfg) -> dict:
+    """Keyword options of the Python rewards (jrl.rewards.get_reward)."""
+    t = cfg.task
+    return {
+        "gsm8k": dict(fallback=t.gsm8k_fallback, format_score=t.format_score),
+        "math": dict(
+            format_score=t.format_score,
+            backend=t.math_backend,
+            timeout_s=t.math_timeout_s,
+            num_workers=t.math_workers,
+        ),
+    }.get(t.reward, {})
+
+
+def build(cfg):
+    """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
+    missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
+    with the loader's one-line message, before anything compiles."""
+    try:
+        return _build(cfg)
+    except (ValueError, OSError) as e:
+        if isinstance(e, config_lib.ConfigError):
+            raise
+        raise config_lib.ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from e
+
+
+def _build(cfg):
+    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
+    t = cfg.task
+    common = dict(
+        seed=cfg.seed,
+        eval_size=t.eval_size,
+        max_prompt_length=cfg.data.max_prompt_length or None,
+        max_response_length=cfg.data.max_response_length or None,
+    )
+    if t.name == "arithmetic":
+        task = data.make_task(t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **common)
+    else:
+        given = dict(
+            question_field=t.question_field, answer_field=t.answer_field, template=t.template
+        )
+        task = data.make_task(
+            t.name,
+            tok,
+            train_files=t.train_files,
+            eval_files=t.eval_files,
+            prompt_format=t.prompt_format,
+            system_prompt=t.system_prompt or None,
+            overlong_prompts=t.overlong_prompts,
+            **common,
+            **{k: v for k, v in given.items() if v},
+        )
+    reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
+    policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
+    if len(tok) > policy_cfg.vocab_size:
+        raise config_lib.ConfigError(
+            f"the tokenizer has {len(tok)} tokens but the model's vocabulary has "
+            f"{policy_cfg.vocab_size}; use the model's own tokenizer (--config.tokenizer='') or a "
+            f"model with a vocabulary of at least {len(tok)}."
+        )
+    return tok, task, reward_fn, policy_cfg
+
+
+def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
+    """The fused step jitted over `mesh` (state donated) and the abstract train state of
+    `init_state()` with its shardings: (step_fn, abstract_state, state_shardings, batch_sharding).
+    Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
+    abstract = jax.eval_shape(init_state)
+    critic_cfg = step_lib.model_configs(cfg, model_cfg)[1]
+    axes = step_lib.state_axes(
+        cfg,
+        abstract,
+        transformer.logical_axes(model_cfg),
+        None if critic_cfg is None else transformer.logical_axes(critic_cfg),
+    )
+    state_sh = sharding.state_shardings(mesh, abstract, **axes)
+    batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
+    step_fn = jax.jit(
+        step_lib.make_step(cfg, model_cfg, reward_fn, **ids, mesh=mesh),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=0,
+    )
+    return step_fn, abstract, state_sh, batch_sh
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA on a Hugging Face checkpoint: the frozen base is not saved with the run; checkpoints hold
+# the trainable state and the base's identity, and a resume reloads the base from model.hf_path.
+
+
+def lora_base_from_hf(cfg) -> bool:
+    return step_lib.lora_on(cfg) and bool(cfg.model.hf_path)
+
+
+def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
+    """`state` with its frozen base loaded from model.hf_path; CheckpointError (one line) when
+    that is not the base the checkpoint was trained on."""
+    message = lora_lib.check_base(extra.get("lora_base") or {}, cfg.model.hf_path)
+    if message:
+        raise checkpoint_lib.CheckpointError(message)
+    base, _ = lora_lib.split(initial_params(cfg, model_cfg, key, mesh, params_sh))
+    return state.replace(ref_params=base)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
+    """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
+    of train problems reaches `warmup.target_accuracy` or `warmup.sft_steps` steps are done.
+    Accuracy is checked every `warmup.check_every` steps and, once it is past half the target,
+    after every step: the warm-up stops at the first step at or above the target (the accuracy
+    moves by up to 0.1 in one step), not at a later check that overshot it. Stopping at an
+    accuracy, not a step count, leaves RL a policy that is partly right whatever the seed or
+    machine. Returns (params, steps, accuracy)."""
+    tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
+    sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
+    opt_state = tx.init(params)
+    probe = task.train_batch(0, 256, stream=2)  # fixed train problems for the stopping test
+    accuracy, steps = float(accuracy_fn(params, probe)["val/accuracy"]), 0
+    while steps < cfg.warmup.sft_steps and accuracy < cfg.warmup.target_accuracy:
+        batch = task.train_batch(
+            steps, cfg.warmup.sft_batch_size, stream=1
+        )  # not the RL steps' data
+        params, opt_state, _ = sft_step(params, opt_state, batch)
+        steps += 1
+        near = accuracy >= cfg.warmup.target_accuracy / 2  # then check after every step
+        if near or steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
+            accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
+    return params, steps, accuracy
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped because steps kept producing non-finite values."""
+
+
+def check_finite(cfg, metrics: dict, consecutive: int) -> int:
+    """Counts consecutive skipped steps; raises NonFiniteError naming the first bad quantity when
+    the guard is off or `nan_guard.max_consecutive` steps in a row were skipped."""
+    if not metrics["training/step_skipped"]:
+        return 0
+    bad = [k for k in step_lib.GUARDED_METRICS if metrics.get(f"training/finite/{k}") == 0]
+    consecutive += 1
+    step = metrics["step"]
+    if not cfg.nan_guard.enable:
+        raise NonFiniteError(f"step {step}: {bad[0]} is not finite (nan_guard is off).")
+    logging.warning(
+        "step %d skipped: %s not finite (%d in a row)", step, ", ".join(bad), consecutive
+    )
+    if consecutive >= cfg.nan_guard.max_consecutive:
+        raise NonFiniteError(
+            f"stopped at step {step}: {consecutive} steps in a row were skipped because {bad[0]} "
+            f"was not finite; check the reward, lower actor.lr, or resume from a checkpoint."
+        )
+    return consecutive
+
+
+def check_writable(workdir: str) -> None:
+    """Creates `workdir` (local or gs://) and writes and deletes a probe file in it; ConfigError
+    with the reason if that fails, before anything else is written."""
+    probe = epath.Path(workdir) / f".jrl-write-probe-{os.getpid()}-{jax.process_index()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except Exception as e:  # OSError locally; a storage client's own errors for gs://
+        reason = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]
+        raise config_lib.ConfigError(
+            f"--workdir={workdir} is not writable ({reason}); choose a directory you can "
+            f"create and write to."
+        ) from None
+
+
+def prepare_workdir(workdir: str, *, fresh: bool) -> None:
+    """Checks `workdir` is writable, takes its lock (InUseError while another live run holds
+    it), sends INFO logs to workdir/train.log and, with `fresh`, moves old checkpoints aside
+    (only once the lock is ours: --fresh never breaks a live run)."""
+    check_writable(workdir)
+    workdir_lib.acquire(workdir)
+    console.log_to_file(workdir, jax.process_index())
+    if fresh and jax.process_index() == 0:
+        start_fresh(workdir)
+    if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
+        multihost_utils.sync_global_devices("jrl.train: workdir ready")
+
+
+def same_on_every_host(tree):
+    """`tree` (host values) as process 0 holds it, on every process. Values a host computed on
+    its own (the supervised warm-up) may differ in the last bits between hosts; `sharding.put`
+    assumes every host passes the same values, so process 0's are sent to all."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def warm_params(cfg, model_cfg, task, key, evaluate_fn, params_sh, say):
+    """The small demo model after its supervised warm-up (run on each host, then process 0's
+    result placed into `params_sh`)."""
+    params = initial_params(cfg, model_cfg, key)
+    t0 = time.perf_counter()
+    params, steps, acc = sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
+    say(
+        f"warm-up: {steps} supervised steps in {time.perf_counter() - t0:.1f}s, greedy "
+        f"train accuracy {acc:.3f} (target {cfg.warmup.target_accuracy})",
+        flush=True,
+    )
+    return sharding.put(same_on_every_host(jax.device_get(params)), params_sh)
+
+
+def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) -> dict:
+    """Trains (or resumes); returns the last step's metrics (with the final eval). `fresh`: move
+    old checkpoints aside first; `allow_changes`: resume despite other config / input files.
+    Raises ConfigError / CheckpointError (before anything is written), NonFiniteError,
+    workdir.WriteError, or checkpoint.Preempted (after saving the step it stopped at)."""
+    config_lib.validate(cfg)
+    if "://" not in workdir:
+        workdir = os.path.abspath(workdir)  # orbax needs absolute paths
+    tok, task, reward_fn, model_cfg = build(cfg)
+    try:
+        mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    except ValueError as e:
+        raise config_lib.ConfigError(str(e)) from None
+    step_lib.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
+    prepare_workdir(workdir, fresh=fresh)
+    main_process = jax.process_index() == 0  # the one that writes metrics and config.json
+    say = print if main_process else lambda *_, **__: None  # the few lines a run shows
+    long_prompts = prompt_counts(task)
+    if any(long_prompts.values()):
+        logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
+
+    ids = sampling_ids(tok, task)
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
+    ckpt = checkpoint_lib.Checkpointer(
+        workdir,
+        every_steps=cfg.checkpoint.every_steps,
+        max_to_keep=cfg.checkpoint.max_to_keep,
+        async_save=cfg.checkpoint.async_save,
+    )
+    inputs = workdir_lib.fingerprints(cfg)
+    if ckpt.all_steps():  # a resume: same maths and input files as the run that saved them
+        workdir_lib.check_resume(workdir, cfg, inputs, allow_changes=allow_changes)
+    saving = ("save", "maybe_save", "wait", "close")  # a failed save: WriteError, exit 4
+    ckpt = workdir_lib.Guarded(ckpt, ckpt.directory, saving)
+    step_fn, abstract, state_sh, batch_sh = jit_step(
+        cfg, model_cfg, reward_fn, ids, mesh, lambda: init(transformer.init_params(model_cfg, key_init))
+    )
+    num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+    say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)
+    base_from_hf = lora_base_from_hf(cfg)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+    )
+    resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
+    params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
+    if step_lib.lora_on(cfg):
+        params_sh = step_lib.reference_params(cfg, state_sh)
+    if resumed is None:
+        if cfg.warmup.sft_steps:  # the small demo model, warmed up, then placed
+            evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
+            params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
+        else:  # straight into the shards: no host holds the whole model
+            params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
+        # the initial params are donated: the state takes their buffers, no third copy
+        state, start = sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), 0
+    else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
+        state, extra, start = resumed
+        if base_from_hf:
+            state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
+        say(f"resumed from {ckpt.directory} at step {start}", flush=True)
+    metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
+    if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
+        with workdir_lib.writing(metrics_path):
+            metric_files.trim_metrics(workdir, start if resumed else -1)
+        config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
+        with workdir_lib.writing(config_path):
+            metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
+    with workdir_lib.writing(metrics_path):
+        writer = workdir_lib.Guarded(MetricWriter(workdir, enabled=main_process), metrics_path)
+    bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
+    evaluate = make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar)
+    if resumed is None:
+        metrics = evaluate(state, 0)
+        first_accuracy = metrics["val/accuracy"]
+        writer.write(0, {**metrics, **long_prompts})
+    else:
+        first_accuracy = extra["val/accuracy_first"]
+        metrics = evaluate(state, start) if start >= cfg.total_steps else {}
+    config_json = json.loads(cfg.to_json_best_effort())
+    extra = lambda done: {
+        "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
+        "val/accuracy_first": first_accuracy,
+        "config": config_json,
+        **({"lora_base": lora_lib.base_identity(cfg.model.hf_path)} if base_from_hf else {}),
+    }
+    saved = lambda state: state.replace(ref_params=None) if base_from_hf else state
+    batch_size = step_lib.prompts_per_step(cfg)
+    my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
+    consecutive_skips, done = 0, start
+    with checkpoint_lib.PreemptionGuard() as guard:
+        for i in range(start, cfg.total_steps):
+            local = task.train_batch(i, batch_size, rows=my_rows)  # only this host's rows
+            batch = sharding.global_batch(local, batch_sh, batch_size)
+            t = time.perf_counter()
+            with jax.set_mesh(mesh):
+                state, metrics = step_fn(state, batch)
+            metrics = to_python(jax.device_get(metrics))
+            elapsed = time.perf_counter() - t
+            metrics["timing_s/step"] = elapsed
+            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
+            done = i + 1
+            if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                metrics.update(evaluate(state, done))
+            ckpt.wait()  # the last save committed before this row: a kill loses <= every_steps
+            writer.write(done, metrics)
+            bar.update(metrics)
+            consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
+            if ckpt.maybe_save(done, saved(state), extra(done)):
+                writer.flush()  # a resumed run does not redo the rows up to a checkpoint
+            if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
+                break
+    # the one way out (done, or preempted after step `done`): save, close, release
+    ckpt.save(done, saved(state), extra(done))  # no-op if already saved
+    ckpt.close()
+    bar.close()
+    writer.close()
+    workdir_lib.release(workdir)
+    if done < cfg.total_steps:
+        raise checkpoint_lib.Preempted(done)
+    metrics["val/accuracy_first"] = first_accuracy
+    return metrics
+
+
+def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar):
+    """`evaluate(state, step) -> metrics`: greedy accuracy on the task's eval batch; also writes
+    the eval's sample answers (`writer`) and shows the first (`bar`)."""
+    num_samples = min(cfg.eval_samples, len(task.eval_batch()["input_ids"]))
+    eval_samples_fn = step_lib.make_eval(model_cfg, reward_fn, **ids, num_samples=num_samples)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    eval_fn = jax.jit(
+        lambda state, batch: eval_samples_fn(step_lib.policy_params(cfg, state), batch),
+        in_shardings=(state_sh, replicated),
+        out_shardings=replicated,
+    )
+    eval_batch = sharding.put(task.eval_batch(), replicated)
+
+    def evaluate(state, step):
+        with jax.set_mesh(mesh):  # traced under the mesh: the KV cache is pinned to it
+            metrics, found = samples_lib.split(to_python(eval_fn(state, eval_batch)))
+        rows = samples_lib.rows(task, task.eval_batch(), found) if jax.process_index() == 0 else []
+        writer.write_samples(step, rows, samples_lib.markdown(rows))
+        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}")
+        for line in samples_lib.lines(rows[:1]):
+            bar.write(f"  e.g. {line}")
+        return metrics
+
+    return evaluate
+
+
+def start_fresh(workdir: str) -> None:
+    """--fresh: move existing checkpoints/, reference/, metrics.jsonl and samples.jsonl aside
+    (nothing saved is deleted)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in (
+        checkpoint_lib.CHECKPOINTS_DIR,
+        checkpoint_lib.REFERENCE_DIR,
+        *metric_files.JSONL_FILES,
+    ):
+        old = epath.Path(workdir) / name
+        if old.exists():
+            old.rename(old.parent / f"{name}.{stamp}")
