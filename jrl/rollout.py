@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl import sharding
+from jrl import partitioning
 from jrl.models import transformer
 
 
@@ -86,7 +86,7 @@ def generate(
     prefill_mask = key_valid_BS[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
     # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
     # tensor axis, as the attention weights do; the decode loop keeps that layout.
-    pin = lambda c: sharding.constrain(c, sharding.CACHE_AXES)
+    pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
     cache = pin(transformer.init_cache(model_cfg, b, s))
     # Prefill: keys / values of every prompt token, logits only at the last one.
     out = model.apply(variables, prompt_ids_BP, positions_BP, prefill_mask, cache, 0)

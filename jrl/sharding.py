@@ -2,8 +2,11 @@
 
 Model code names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"; see
 `jrl.models.transformer.logical_axes`); batches use "batch". Rules map each logical axis onto mesh
-axes, flax style: a sequence of (logical name, mesh axis | tuple of mesh axes | None) pairs. With
-the default mesh axes ("data", "fsdp", "tensor"):
+axes, flax style: a sequence of (logical name, mesh axis | tuple of mesh axes | None) pairs (the
+rules, `logical_to_mesh`, `constrain` and `put` live in `jrl.partitioning`, which the model code
+uses too, and are re-exported here). This module takes logical axes (trees of PartitionSpecs),
+never model configs, and imports nothing from `jrl.models`. With the default mesh axes ("data",
+"fsdp", "tensor"):
 
   * "data"   pure data parallelism: batch rows split, parameters replicated;
   * "fsdp"   batch rows split AND parameters split along "embed" (ZeRO-3 / FSDP style);
@@ -24,30 +27,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical axis -> mesh axes. "batch" covers the leading dim of batches and of the KV cache.
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("layers", None),  # the stacked decoder blocks' leading axis
+# The logical-axis layer lives below the model code (which uses it too); re-exported here.
+from jrl.partitioning import (
+    CACHE_AXES,
+    DEFAULT_RULES,
+    Rules,
+    constrain,
+    context_spec,
+    fit,
+    logical_to_mesh,
+    put,
 )
 
-# Logical names of a KV-cache entry [B, K, S, D] (jrl.models.transformer.init_cache).
-CACHE_AXES = PartitionSpec("batch", "kv_heads", None, "head_dim")
-
-Rules = Sequence[tuple[str, Any]]
+MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def make_mesh(
@@ -92,63 +88,9 @@ def make_mesh(
     )
 
 
-def _mesh_axes(rule) -> tuple[str, ...]:
-    """A rule's target as a tuple of mesh axis names (None -> ())."""
-    if rule is None:
-        return ()
-    return (rule,) if isinstance(rule, str) else tuple(rule)
-
-
-def logical_to_mesh(spec: PartitionSpec, rules: Rules = DEFAULT_RULES) -> PartitionSpec:
-    """A logical PartitionSpec (e.g. ("embed", "mlp")) -> a mesh one (("fsdp", "tensor")).
-
-    Every logical name must have a rule; a mesh axis already used by an earlier dimension is
-    dropped from later ones (that dimension is replicated over it). No shapes are checked here;
-    `param_shardings` / `batch_sharding` / `cache_sharding` also fit the array's shape.
-    """
-    table = dict(rules)
-    used: set[str] = set()
-    out = []
-    for name in spec:
-        if name is None:
-            out.append(None)
-            continue
-        if name not in table:
-            raise ValueError(
-                f"logical axis {name!r} has no sharding rule; add ({name!r}, <mesh axis or None>) "
-                f"to the rules (None replicates it)."
-            )
-        axes = tuple(a for a in _mesh_axes(table[name]) if a not in used)
-        used.update(axes)
-        out.append(axes[0] if len(axes) == 1 else (axes or None))
-    return PartitionSpec(*out)
-
-
-def _fit(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> PartitionSpec:
-    """`spec` with each dimension's mesh axes cut to the longest prefix whose size divides it."""
-    if len(spec) > len(shape):
-        raise ValueError(
-            f"sharding spec {spec} has more entries than the array's shape {tuple(shape)}; "
-            "the logical axis names do not match the array."
-        )
-    out = []
-    for dim, entry in zip(shape, spec):
-        axes = _mesh_axes(entry)
-        for a in axes:
-            if a not in mesh.shape:
-                raise ValueError(
-                    f"sharding rule names mesh axis {a!r} but the mesh has axes "
-                    f"{tuple(mesh.axis_names)}; map it to one of those (or None) in the rules."
-                )
-        while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes = axes[:-1]
-        out.append(axes[0] if len(axes) == 1 else (axes or None))
-    return PartitionSpec(*out)
-
-
 def named_sharding(mesh: Mesh, logical: PartitionSpec, shape, rules: Rules = DEFAULT_RULES):
     """NamedSharding of one array of `shape` from its logical axis names (divisibility-checked)."""
-    return NamedSharding(mesh, _fit(mesh, logical_to_mesh(logical, rules), shape))
+    return NamedSharding(mesh, fit(mesh, logical_to_mesh(logical, rules), shape))
 
 
 def param_shardings(mesh: Mesh, abstract_params, logical_specs, rules: Rules = DEFAULT_RULES):
@@ -234,7 +176,7 @@ def batch_sharding(mesh: Mesh, batch_size: int | None = None, rules: Rules = DEF
     (data, fsdp), the other dims replicated. With `batch_size`, only the mesh axes dividing it."""
     spec = logical_to_mesh(PartitionSpec("batch"), rules)
     if batch_size is not None:
-        spec = _fit(mesh, spec, (batch_size,))
+        spec = fit(mesh, spec, (batch_size,))
     return NamedSharding(mesh, spec)
 
 
@@ -244,7 +186,7 @@ def cache_sharding(mesh: Mesh, shape: Sequence[int] | None = None, rules: Rules 
     only the mesh axes that divide it."""
     spec = logical_to_mesh(CACHE_AXES, rules)
     if shape is not None:
-        spec = _fit(mesh, spec, shape)
+        spec = fit(mesh, spec, shape)
     return NamedSharding(mesh, spec)
 
 
@@ -274,45 +216,18 @@ def global_batch(local: dict, sharding: NamedSharding, batch_size: int) -> dict:
     }
 
 
-def put(tree, shardings):
-    """Host arrays -> global jax.Arrays in `shardings` (a matching tree, or one sharding for all).
-    Every process must pass the same values; each builds only its own devices' shards, so this
-    also works across processes, where `jax.device_put` to non-addressable devices does not."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-
-    def one(x, sh):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sh, lambda index: x[index])
-
-    return jax.tree.map(one, tree, shardings)
-
-
-def context_spec(logical: PartitionSpec, shape, rules: Rules = DEFAULT_RULES):
-    """The mesh PartitionSpec of an array of `shape` with logical axes `logical` under the mesh
-    in context (`jax.set_mesh`), each dim keeping only the mesh axes that divide it; None
-    without a mesh in context."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    return _fit(mesh, logical_to_mesh(logical, rules), shape)
-
-
-def constrain(x, logical: PartitionSpec, rules: Rules = DEFAULT_RULES):
-    """Inside a jitted function traced under `jax.set_mesh(mesh)`: pins `x` (an array or a tree
-    of same-rank arrays, e.g. the KV cache) to its logical axes' mesh sharding, each dim keeping
-    only the mesh axes that divide it. Without a mesh in context it returns `x` unchanged."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    return jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(a, context_spec(logical, a.shape, rules)), x
-    )
-
-
-def sharded_init(init_fn: Callable, mesh: Mesh, shardings) -> Callable:
+def sharded_init(
+    init_fn: Callable, mesh: Mesh, shardings, donate_argnums: int | Sequence[int] = ()
+) -> Callable:
     """`init_fn` compiled to write its outputs straight into `shardings` (each device computes
-    only its shards; no host holds the full result). Call it like `init_fn`."""
-    jitted = jax.jit(init_fn, out_shardings=shardings)
+    only its shards; no host holds the full result). Call it like `init_fn`.
+
+    `donate_argnums`: the positional arguments whose buffers the result may reuse (`jax.jit`'s
+    donation); they are deleted by the call. Building a train state from initial params, donate
+    the params (`donate_argnums=0`): otherwise the caller's params, the state's policy and its
+    reference copy are all alive at once at the peak. Default: nothing is donated.
+    """
+    jitted = jax.jit(init_fn, out_shardings=shardings, donate_argnums=donate_argnums)
 
     def init(*args, **kwargs):
         with jax.set_mesh(mesh):
@@ -336,6 +251,7 @@ __all__ = [
     "batch_sharding",
     "cache_sharding",
     "constrain",
+    "context_spec",
     "describe",
     "global_batch",
     "logical_to_mesh",

@@ -21,15 +21,16 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
 
 from jrl.data.arithmetic import ArithmeticTask
 from jrl.data.math_data import MathTask, gsm8k_task, math_task
+from jrl.registry import Registry
 
-TASKS = {"arithmetic": ArithmeticTask, "gsm8k": gsm8k_task, "math": math_task}
+# name -> (tokenizer, **kwargs) -> task
+TASKS = Registry("task", {"arithmetic": ArithmeticTask, "gsm8k": gsm8k_task, "math": math_task})
 
 
 def make_task(name: str, tokenizer, **kwargs):
-    """Builds the task registered as `name` with `tokenizer` and the task's keyword options."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}: valid names are {', '.join(sorted(TASKS))}.")
-    return TASKS[name](tokenizer, **kwargs)
+    """Builds the task registered as `name` with `tokenizer` and the task's keyword options; an
+    unknown name raises `jrl.registry.UnknownName` (a ValueError) naming the valid ones."""
+    return TASKS.get(name)(tokenizer, **kwargs)
 
 
 __all__ = ["TASKS", "ArithmeticTask", "MathTask", "gsm8k_task", "make_task", "math_task"]

@@ -58,9 +58,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jrl import sharding
+from jrl import partitioning
+from jrl.registry import Registry
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash")
+# Full-forward attention implementations (`ModelConfig.attention`); names only, see the module doc.
+IMPLEMENTATIONS = Registry(
+    "attention implementation (model.attention)",
+    dict.fromkeys(("auto", "xla", "blockwise", "cudnn", "splash")),
+)
 
 _MASKED = float(np.finfo(np.float32).min)  # score of a hidden key, as in transformer.py
 _CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -131,10 +136,10 @@ def _per_shard(fn, q, k, v):
     the batch mesh axes, heads over the tensor axis when both the query and the kv heads divide
     it (else whole). A Pallas kernel has no partitioning rule of its own; without this XLA
     would gather its inputs onto every device."""
-    q_spec = sharding.context_spec(P("batch", None, "heads", None), q.shape)
+    q_spec = partitioning.context_spec(P("batch", None, "heads", None), q.shape)
     if q_spec is None:
         return fn(q, k, v)
-    kv_spec = sharding.context_spec(P("batch", None, "kv_heads", None), k.shape)
+    kv_spec = partitioning.context_spec(P("batch", None, "kv_heads", None), k.shape)
     if q_spec[2] != kv_spec[2]:  # one of them does not divide: keep every head on each device
         q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
     return jax.shard_map(
@@ -154,8 +159,7 @@ def resolve_implementation(
 ) -> str:
     """The implementation `causal_attention` runs for these inputs: `implementation` itself unless
     it is "auto" (then see the module doc). `backend` defaults to jax.default_backend()."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation {implementation!r} not in {IMPLEMENTATIONS}")
+    IMPLEMENTATIONS.get(implementation)  # an unknown name raises UnknownName (a ValueError)
     if implementation != "auto":
         return implementation
     backend = backend or jax.default_backend()

@@ -30,8 +30,9 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jrl import sharding as jrl_sharding
+from jrl import partitioning
 from jrl.models import transformer as tfm
+from jrl.registry import Registry
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -55,10 +56,7 @@ def _check_false(c, *names):
 
 def _read_rope(params: dict) -> dict:
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in tfm.ROPE_SCALINGS:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported; supported: {', '.join(tfm.ROPE_SCALINGS)}."
-        )
+    tfm.ROPE_SCALINGS.get(rope_type)  # an unsupported one raises UnknownName (a ValueError)
     out = {"rope_theta": float(params["rope_theta"]), "rope_scaling_type": rope_type}
     if rope_type != "default":
         out["rope_scaling_factor"] = float(params["factor"])
@@ -179,34 +177,33 @@ class Family:
     act_key: str = "hidden_act"  # the config.json field naming the MLP activation
 
 
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", {}, _read_llama, lambda cfg: {}),
-    "mistral": Family(
-        "MistralForCausalLM", {}, _read_mistral, lambda cfg: {"sliding_window": cfg.sliding_window}
-    ),
-    "qwen2": Family(
-        "Qwen2ForCausalLM", {"qkv_bias": True}, _read_layer_windows, _write_qwen_windows
-    ),
-    "qwen3": Family("Qwen3ForCausalLM", {"qk_norm": True}, _read_qwen3, _write_qwen_windows),
-    "gemma2": Family(
-        "Gemma2ForCausalLM", _GEMMA, _read_gemma2, _write_gemma2, act_key="hidden_activation"
-    ),
-    "gemma3_text": Family(
-        "Gemma3ForCausalLM",
-        {**_GEMMA, "qk_norm": True},
-        _read_gemma3,
-        _write_gemma3,
-        act_key="hidden_activation",
-    ),
-}
-
-
-def _family(model_type) -> Family:
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}."
-        )
-    return FAMILIES[model_type]
+# Supported Hugging Face `model_type`s.
+FAMILIES = Registry(
+    "Hugging Face model_type",
+    {
+        "llama": Family("LlamaForCausalLM", {}, _read_llama, lambda cfg: {}),
+        "mistral": Family(
+            "MistralForCausalLM",
+            {},
+            _read_mistral,
+            lambda cfg: {"sliding_window": cfg.sliding_window},
+        ),
+        "qwen2": Family(
+            "Qwen2ForCausalLM", {"qkv_bias": True}, _read_layer_windows, _write_qwen_windows
+        ),
+        "qwen3": Family("Qwen3ForCausalLM", {"qk_norm": True}, _read_qwen3, _write_qwen_windows),
+        "gemma2": Family(
+            "Gemma2ForCausalLM", _GEMMA, _read_gemma2, _write_gemma2, act_key="hidden_activation"
+        ),
+        "gemma3_text": Family(
+            "Gemma3ForCausalLM",
+            {**_GEMMA, "qk_norm": True},
+            _read_gemma3,
+            _write_gemma3,
+            act_key="hidden_activation",
+        ),
+    },
+)
 
 
 def _read_rope_fields(c) -> dict:
@@ -230,7 +227,7 @@ def _read_rope_fields(c) -> dict:
 def model_config_from_hf(hf_config: dict, dtype: str = "float32") -> tfm.ModelConfig:
     """ModelConfig of a Hugging Face `config.json` (as a dict), compute and weights in `dtype`."""
     model_type = hf_config.get("model_type")
-    family = _family(model_type)
+    family = FAMILIES.get(model_type)
     fields = {k: v for k, v in hf_config.items() if k != "model_type"}
     c = transformers.AutoConfig.for_model(model_type, **fields)
     head_dim = getattr(c, "head_dim", None)
@@ -304,7 +301,7 @@ def hf_config_dict(cfg: tfm.ModelConfig, dtype: str, tokenizer=None) -> dict:
     Raises ValueError when the architecture has no exact Hugging Face counterpart.
     """
     model_type = infer_model_type(cfg)
-    family = _family(model_type)
+    family = FAMILIES.get(model_type)
     if not cfg.lm_head:
         raise ValueError("model.lm_head=False (critic-only) has no Hugging Face causal-LM form.")
     fields = {
@@ -334,7 +331,8 @@ def hf_config_dict(cfg: tfm.ModelConfig, dtype: str, tokenizer=None) -> dict:
     if diff:
         raise ValueError(
             f"model with {', '.join(diff)} cannot be written as a {model_type} checkpoint; "
-            f"set model.hf_model_type to a family that has these features ({', '.join(FAMILIES)})."
+            f"set model.hf_model_type to a family that has these features "
+            f"({', '.join(FAMILIES.names())})."
         )
     return hf
 
@@ -462,15 +460,20 @@ def _host_tensor(f, name: str, layout: str, shape, dtype: str) -> np.ndarray:
     return _LAYOUTS[layout][1](f.get_tensor(name), shape).astype(jax.numpy.dtype(dtype))
 
 
-def _place(value: np.ndarray, sharding) -> jax.Array:
-    """A host array as a jax.Array: on the default device, or in `sharding` (each process builds
-    only its addressable shards, copied out of `value`)."""
+# place(host array, sharding) -> jax.Array in that sharding.
+Place = Callable[[np.ndarray, jax.sharding.Sharding], jax.Array]
+
+
+def _place(value: np.ndarray, sharding, place: Place) -> jax.Array:
+    """A host array as a jax.Array: on the default device, or `place`d in `sharding`."""
     if sharding is None:
         return jax.numpy.asarray(value)
-    return jrl_sharding.put(value, sharding)
+    return place(value, sharding)
 
 
-def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.ModelConfig, Any]:
+def load_pretrained(
+    path, dtype: str = "float32", shardings=None, place: Place | None = None
+) -> tuple[tfm.ModelConfig, Any]:
     """(ModelConfig, params) of a local Hugging Face checkpoint directory.
 
     The directory holds `config.json` and `model.safetensors` (or shards listed in
@@ -486,7 +489,9 @@ def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.M
     as a global jax.Array in its sharding, every process building only its addressable shards
     (each process reads whole tensors, so each needs the checkpoint directory). Entries the
     checkpoint has no tensor for (a value head) are ignored, so the shardings of a train
-    state's params serve as they are. To shard a checkpoint on its own:
+    state's params serve as they are. `place(host_array, sharding)` puts one tensor into its
+    sharding; default `jrl.partitioning.put` (each process builds only its addressable shards,
+    copied out of the host array). To shard a checkpoint on its own:
 
         cfg = hf.load_config(path, dtype)
         shardings = jrl.sharding.param_shardings(
@@ -510,6 +515,7 @@ def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.M
             f"{', '.join(sorted(unexpected)[:8])}."
         )
     placements = _flat_shardings(shardings, shapes)
+    place = place or partitioning.put
     flat = {}
     with contextlib.ExitStack() as stack:
         handles = {
@@ -526,15 +532,19 @@ def load_pretrained(path, dtype: str = "float32", shardings=None) -> tuple[tfm.M
                 handles[files[hf]], hf, layout, shape, dtype
             )
             if key[0] != "layers":
-                flat[key] = _place(read(*parts[0]), placements[key])
+                flat[key] = _place(read(*parts[0]), placements[key], place)
             else:  # stacked: filled on the devices one layer at a time
                 flat[key] = _place_stacked(
-                    (read(*part) for part in parts), shapes[key].shape, dtype, placements[key]
+                    (read(*part) for part in parts),
+                    shapes[key].shape,
+                    dtype,
+                    placements[key],
+                    place,
                 )
     return cfg, traverse_util.unflatten_dict(flat)
 
 
-def _place_stacked(layers, shape, dtype: str, sharding) -> jax.Array:
+def _place_stacked(layers, shape, dtype: str, sharding, place: Place) -> jax.Array:
     """A stacked [num_layers, ...] parameter from its layers (host arrays, in order), filled in
     on the devices (or into `sharding`) one layer at a time: the host holds one layer's tensor,
     never the whole stack."""
@@ -545,10 +555,12 @@ def _place_stacked(layers, shape, dtype: str, sharding) -> jax.Array:
     else:
         stacked = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
         spec = sharding.spec
-        layer_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        layer_sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec[1:])
+        )
         set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=sharding)
     for i, value in enumerate(layers):
-        stacked = set_layer(stacked, _place(value, layer_sharding), i)
+        stacked = set_layer(stacked, _place(value, layer_sharding, place), i)
         del value  # the next layer is read only once this one is on its devices
     return stacked
 

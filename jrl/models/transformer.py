@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 from typing import NamedTuple
@@ -59,20 +58,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl import sharding
+from jrl import partitioning
 from jrl.models import attention as attention_lib
+from jrl.registry import Registry
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# The attention kinds a layer may have (`ModelConfig.layer_types` entries); no entry values.
+LAYER_TYPES = Registry(
+    "layer type (model.layer_types entry)", dict.fromkeys((FULL_ATTENTION, SLIDING_ATTENTION))
+)
 
 # MLP activations by their Hugging Face names (`hidden_act` / `hidden_activation`).
-ACTIVATIONS: dict[str, Callable] = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-}
+ACTIVATIONS = Registry(
+    "MLP activation (model.hidden_act)",
+    {
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    },
+)
 
 
 def _default_inv_freq(inv_freq, cfg):
@@ -98,21 +104,23 @@ def _llama3_inv_freq(inv_freq, cfg):
 
 # Rematerialisation of decoder blocks in the backward (`ModelConfig.remat`): what a block keeps
 # from its forward; everything else is recomputed. None: no rematerialisation.
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,  # every activation of every layer is kept for the backward
-    "block": jax.checkpoint_policies.nothing_saveable,  # only each block's input is kept
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # + projection outputs
-}
+REMAT_POLICIES = Registry(
+    "remat policy (model.remat)",
+    {
+        "none": None,  # every activation of every layer is kept for the backward
+        "block": jax.checkpoint_policies.nothing_saveable,  # only each block's input is kept
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # + projection outputs
+    },
+)
 
 # Fields of ModelConfig that choose how the model is computed, not what it computes.
 COMPUTE_FIELDS = ("dtype", "remat", "attention", "attention_block_size", "logits_chunk_size")
 
 # RoPE frequency scalings by their Hugging Face `rope_type`: f(inverse frequencies, cfg).
-ROPE_SCALINGS: dict[str, Callable] = {
-    "default": _default_inv_freq,
-    "linear": _linear_inv_freq,
-    "llama3": _llama3_inv_freq,
-}
+ROPE_SCALINGS = Registry(
+    "RoPE scaling (model.rope_scaling_type / Hugging Face rope_type)",
+    {"default": _default_inv_freq, "linear": _linear_inv_freq, "llama3": _llama3_inv_freq},
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +189,10 @@ class ModelConfig:
             )
         if not (self.lm_head or self.value_head):
             raise ValueError("model has neither lm_head nor value_head; enable at least one.")
-        _check_choice("hidden_act", self.hidden_act, ACTIVATIONS)
-        _check_choice("rope_scaling_type", self.rope_scaling_type, ROPE_SCALINGS)
-        _check_choice("remat", self.remat, REMAT_POLICIES)
-        _check_choice("attention", self.attention, attention_lib.IMPLEMENTATIONS)
+        ACTIVATIONS.get(self.hidden_act)  # each raises UnknownName (a ValueError) if unknown
+        ROPE_SCALINGS.get(self.rope_scaling_type)
+        REMAT_POLICIES.get(self.remat)
+        attention_lib.IMPLEMENTATIONS.get(self.attention)
         if self.attention_block_size < 1 or self.logits_chunk_size < 0:
             raise ValueError(
                 f"model.attention_block_size={self.attention_block_size} must be >= 1 and "
@@ -197,7 +205,7 @@ class ModelConfig:
                     f"model.num_layers={self.num_layers}; give one per layer."
                 )
             for t in self.layer_types:
-                _check_choice("layer_types entry", t, LAYER_TYPES)
+                LAYER_TYPES.get(t)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} must be >= 1, or None for no window."
@@ -215,11 +223,6 @@ class ModelConfig:
         return self.layer_types is None or self.layer_types[layer] == SLIDING_ATTENTION
 
 
-def _check_choice(name, value, table):
-    if value not in table:
-        raise ValueError(f"model.{name}={value!r} is not one of {', '.join(sorted(table))}.")
-
-
 def rope_inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
     """Inverse rotary frequencies [D/2] (float32) of `layer`.
 
@@ -231,7 +234,7 @@ def rope_inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
     if cfg.rope_local_base_freq is not None and cfg.is_sliding(layer):
         return (1.0 / cfg.rope_local_base_freq**exponents).astype(np.float32)
     inv_freq = 1.0 / cfg.rope_theta**exponents
-    return ROPE_SCALINGS[cfg.rope_scaling_type](inv_freq, cfg).astype(np.float32)
+    return ROPE_SCALINGS.get(cfg.rope_scaling_type)(inv_freq, cfg).astype(np.float32)
 
 
 def _activation(x, *last_axes):
@@ -240,7 +243,7 @@ def _activation(x, *last_axes):
     it XLA may follow FSDP-sharded weights and split activations on the hidden dim instead,
     every device holding every row."""
     spec = ("batch",) + (None,) * (x.ndim - 1 - len(last_axes)) + last_axes
-    return sharding.constrain(x, jax.sharding.PartitionSpec(*spec))
+    return partitioning.constrain(x, jax.sharding.PartitionSpec(*spec))
 
 
 def _adapter(module, name: str, x, num_in: int):
@@ -423,7 +426,7 @@ class MLP(nn.Module):
         # into a 3-D dot's output and took a slow path (the MLP's backward ran at 2x the time).
         x2 = x.reshape(-1, h)
         proj = lambda name, w, v: _plus(v @ w.astype(dt), _adapter(self, name, v, 1))
-        y = ACTIVATIONS[cfg.hidden_act](proj("gate_proj", gate, x2)) * proj("up_proj", up, x2)
+        y = ACTIVATIONS.get(cfg.hidden_act)(proj("gate_proj", gate, x2)) * proj("up_proj", up, x2)
         y = _activation(y.reshape(*x.shape[:-1], f), "mlp").reshape(-1, f)
         return proj("down_proj", down, y).reshape(x.shape)
 
@@ -480,7 +483,7 @@ class Transformer(nn.Module):
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
         inv_freq, sliding = layer_inputs(cfg)
-        policy = REMAT_POLICIES[cfg.remat]
+        policy = REMAT_POLICIES.get(cfg.remat)
         if self.is_initializing() or (cache is None and policy is not None):
             # A scan over the layers, each rematerialised: the backward keeps only each layer's
             # input (a loop, unlike an unrolled remat, holds XLA to that on every backend).

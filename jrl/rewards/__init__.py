@@ -21,11 +21,13 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
                 `(responses: list[str], ground_truths: list[str]) -> list[float]`.
 """
 
+from jrl.registry import Registry, UnknownName
 from jrl.rewards import math as math_rewards
 from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match
 from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
 
-REWARDS = {"arithmetic_exact_match": arithmetic_exact_match}
+# name -> JAX reward fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]
+REWARDS = Registry("reward", {"arithmetic_exact_match": arithmetic_exact_match})
 
 
 def _format_score(task, **options):
@@ -39,16 +41,27 @@ def _format_score(task, **options):
 
 
 # name -> (task, **options) -> score_fn(responses, ground_truths) -> list[float]
-HOST_REWARDS = {
-    "gsm8k": lambda task, **options: math_rewards.Gsm8kScore(**options),
-    "math": lambda task, **options: math_rewards.MathScore(**options),
-    "format": _format_score,
-}
+HOST_REWARDS = Registry(
+    "host reward",
+    {
+        "gsm8k": lambda task, **options: math_rewards.Gsm8kScore(**options),
+        "math": lambda task, **options: math_rewards.MathScore(**options),
+        "format": _format_score,
+    },
+)
 
 
 def names() -> list[str]:
     """Every registered reward name (user functions are given as "package.module:function")."""
     return sorted({**REWARDS, **HOST_REWARDS})
+
+
+def _lookup(name: str):
+    """The entry of `name` in REWARDS or HOST_REWARDS; UnknownName naming both tables' names."""
+    try:
+        return Registry("reward", {**HOST_REWARDS, **REWARDS}).get(name)
+    except UnknownName as e:
+        raise UnknownName(f"{e} A user function is given as 'package.module:function'.") from None
 
 
 def get_reward(name: str, task=None, tokenizer=None, **options):
@@ -57,26 +70,22 @@ def get_reward(name: str, task=None, tokenizer=None, **options):
     `task` and `tokenizer` (default `task.tokenizer`) are needed by the Python rewards; `options`
     go to the Python reward's score function (see the module docstring).
     """
-    if name in REWARDS:
-        if options:
-            raise ValueError(f"reward {name!r} takes no options; got {', '.join(options)}.")
-        return REWARDS[name]
     if ":" in name:
         if options:
             raise ValueError(f"user reward {name!r} takes no options; got {', '.join(options)}.")
         score_fn = load_score_fn(name)
-    elif name in HOST_REWARDS:
+    else:
+        entry = _lookup(name)
+        if name in REWARDS:
+            if options:
+                raise ValueError(f"reward {name!r} takes no options; got {', '.join(options)}.")
+            return entry
         if task is None:
             raise ValueError(
                 f"reward {name!r} scores decoded text on the host and needs the task and "
                 f"tokenizer: get_reward({name!r}, task, tokenizer)."
             )
-        score_fn = HOST_REWARDS[name](task, **options)
-    else:
-        raise ValueError(
-            f"unknown reward {name!r}: valid names are {', '.join(names())}, or a user function "
-            "'package.module:function'."
-        )
+        score_fn = entry(task, **options)
     if tokenizer is None:
         tokenizer = getattr(task, "tokenizer", None)
     return make_python_reward(score_fn, task, tokenizer, name=name)
