@@ -1,0 +1,84 @@
+"""Correctness of the step's optimizer bookkeeping: critic warm-up leaves the policy and its
+optimizer untouched (verl skips the actor's update), and the logged learning rate follows the
+optimizer's own count of applied updates (a step skipped by the NaN guard applies none)."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jrl import step as step_lib
+from jrl import trainer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs import grpo_math, ppo_math  # noqa: E402
+
+
+def setup(cfg, reward_fn=None):
+    tok, task, task_reward, model_cfg = trainer.build(cfg)
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    ids = trainer.sampling_ids(tok, task)
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn or task_reward, **ids))
+    return state, step, task.train_batch(0, step_lib.prompts_per_step(cfg))
+
+
+def test_critic_warmup_skips_the_policy_update_entirely():
+    """PPO with a separate critic, critic_warmup=1 and AdamW weight decay: after step 1 the policy
+    and its optimizer state (Adam's count, moments) are exactly as they were, the critic moved;
+    at step 2 the policy updates. (Multiplying the policy loss by 0 still let weight decay shrink
+    the policy and advanced Adam's count and the warm-up of the learning rate.)"""
+    cfg = ppo_math.get_config("tiny")
+    cfg.warmup.sft_steps = 0
+    cfg.critic.critic_warmup = 1
+    cfg.actor.weight_decay = 0.1
+    state, step, batch = setup(cfg)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    critic_before = jax.tree.map(np.asarray, state.critic_params)
+    state, _ = step(state, batch)
+    jax.tree.map(np.testing.assert_array_equal, before, (state.params, state.opt_state))
+    assert int(step_lib.schedule_count(state.opt_state)) == 0
+    moved = jax.tree.map(lambda a, b: np.any(a != np.asarray(b)), critic_before, state.critic_params)
+    assert any(jax.tree.leaves(moved))
+    state, _ = step(state, batch)  # past the warm-up: the policy trains
+    assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)
+    assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
+
+
+def nan_reward(batch, response_ids, response_mask, *, eos_id):
+    return jnp.full(response_ids.shape[:1], jnp.nan, jnp.float32)
+
+
+def test_logged_lr_follows_applied_updates_after_a_skipped_step():
+    """lr warm-up over 4 updates of lr 1e-3, u = 2 updates per step. Step 1 has a NaN reward and
+    is skipped (no update applied); step 2's first update is then the optimizer's first: lr 0
+    (warm-up from 0), not 1e-3 * 2 / 4 as `state.step * updates_per_step` said; step 3's is the
+    third update: 1e-3 * 2 / 4."""
+    cfg = grpo_math.get_config("tiny")
+    cfg.warmup.sft_steps = 0
+    cfg.actor.lr = 1e-3
+    cfg.actor.lr_warmup_steps = 4
+    assert step_lib.updates_per_step(cfg) == 2
+    state, step, batch = setup(cfg)
+    _, skip_step, _ = setup(cfg, nan_reward)
+    state, metrics = skip_step(state, batch)
+    assert int(metrics["training/step_skipped"]) == 1 and float(metrics["actor/lr"]) == 0.0
+    state, metrics = step(state, batch)
+    assert int(metrics["training/step_skipped"]) == 0
+    assert float(metrics["actor/lr"]) == 0.0  # the schedule at count 0
+    state, metrics = step(state, batch)
+    assert float(metrics["actor/lr"]) == pytest.approx(1e-3 * 2 / 4)
+
+
+def test_schedule_count_reads_the_learning_rate_schedules_count():
+    tx = step_lib.make_optimizer(grpo_math.get_config("tiny").actor)
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)
+    for _ in range(3):
+        _, opt_state = tx.update({"w": jnp.ones(3)}, opt_state, params)
+    assert int(step_lib.schedule_count(opt_state)) == 3
+    assert isinstance(optax.ScaleByScheduleState(count=jnp.int32(0)), optax.ScaleByScheduleState)
