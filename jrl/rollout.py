@@ -1,6 +1,6 @@
 """Rollout: jitted prefill + KV-cache decode with temperature / top-k / top-p and per-row EOS stop.
 
-Layout (DESIGN.md): prompts are left-padded to P, responses right-padded to R. The cache has P + R
+Layout (docs/design.md#padding-and-cache-slots): prompts are left-padded to P, responses right-padded to R. The cache has P + R
 slots; prompt token j sits in slot j, response token t in slot P + t. Position ids skip the left
 padding, so a row's tokens are numbered 0, 1, 2, ... whatever its padding.
 

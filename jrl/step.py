@@ -6,9 +6,15 @@ every shape is static (P prompt length, R response length, B_p prompts, n sample
 B = B_p * n rows), every variant is picked by name from the config at trace time, and nothing
 leaves the device until the host reads `metrics`.
 
-Alignment (DESIGN.md, verl's convention): response position t is action y_t. `log_probs[:, t]` is
-read from the logits at the position before y_t (the last prompt token for t = 0), and so is
-`values[:, t]` = V(prompt, y_<t): the value of the state in which y_t is chosen.
+Alignment (docs/design.md#token-alignment, verl's convention): response position t is action
+y_t. `log_probs[:, t]` is read from the logits at the position before y_t (the last prompt token
+for t = 0), and so is `values[:, t]` = V(prompt, y_<t): the value of the state in which y_t is
+chosen.
+
+The step is three phases, module-level functions of a `StepSpec` (the config's static choices,
+`make_spec`): `generate` (rollout + reward), `compute_advantages` (old / reference log-probs,
+values, KL in the reward, advantages), `update` (PPO epochs of mini-batch updates); `rl_step`
+chains them and `make_step` binds it to a spec.
 """
 
 from __future__ import annotations
