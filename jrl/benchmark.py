@@ -5,7 +5,6 @@ command line and what is reported: jrl/bench.py."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 

@@ -286,13 +286,13 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
     cfg.task.overlong_prompts = mode
     cfg.data.max_prompt_length, cfg.data.max_response_length = 27, 4
 
-    class StopAfterStep0(train.MetricWriter):
+    class StopAfterStep0(trainer.MetricWriter):
         def write(self, step, metrics):
             super().write(step, metrics)
             self.close()
             raise _StopAfterStep0
 
-    monkeypatch.setattr(train, "MetricWriter", StopAfterStep0)
+    monkeypatch.setattr(trainer, "MetricWriter", StopAfterStep0)
     with pytest.raises(_StopAfterStep0):
         trainer.run(cfg, str(tmp_path / "run"))
     (row,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

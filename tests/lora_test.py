@@ -287,7 +287,6 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     from jrl import checkpoint as checkpoint_lib
     from jrl import exporter as export_lib
     from jrl import models, trainer
-    from jrl import step as step_lib
     from jrl import tokenizer as tokenizer_lib
 
     hf_dir = str(tmp_path / "base")
