@@ -497,10 +497,9 @@ def make_phases(
     correction = algo.rollout_correction.enable
     corr_settings = rollout_corr.settings(algo.rollout_correction) if correction else None
     bypass = bypass_mode(cfg)
-    # the actor section the policy loss reads (bypass_mode: with the rollout-correction settings)
-    loss_cfg = ml_collections.ConfigDict(
-        {**actor.to_dict(), "rollout_correction": algo.rollout_correction.to_dict()}
-    )
+    policy_loss_fn = losses.make_policy_loss(actor, algo.rollout_correction)
+    estimate = adv_lib.make_estimator(algo)
+    kl_controller = kl_lib.make_kl_controller(algo)
     overlong = cfg.reward.overlong_buffer
     filter_groups = algo.filter_groups
     tx, critic_tx = make_optimizer(actor), make_optimizer(critic)
@@ -644,9 +643,7 @@ def make_phases(
                 algo.kl_penalty,
             )
             metrics.update(kl_metrics)
-            kl_coef = kl_lib.kl_ctrl_update(
-                state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b, algo
-            )
+            kl_coef = kl_controller(state.kl_coef, kl_metrics["actor/reward_kl_penalty"], b)
         if correction and not bypass:  # verl's order: after KL in the reward, before advantages
             weights, mask, corr_metrics = rollout_corr.correct(
                 exp["old_log_prob"], exp["rollout_log_prob"], mask, corr_settings
@@ -655,8 +652,7 @@ def make_phases(
             exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
             if weights is not None:
                 exp["rollout_is_weights"] = weights
-        adv = adv_lib.compute_full(
-            algo.adv_estimator,
+        adv = estimate(
             token_level_rewards=token_level_rewards,
             response_mask=mask,
             index=jnp.arange(b, dtype=jnp.int32) // n,  # the prompt (group) of each row
@@ -666,7 +662,6 @@ def make_phases(
             threshold=state.group_threshold,
             sum_pi_squared=exp.get("sum_pi_squared"),
             rollout_is_weights=exp.get("rollout_is_weights"),
-            config=algo,
         )
         metrics.update(adv["metrics"])
         exp.update(
@@ -684,14 +679,11 @@ def make_phases(
         `counts` normalise by the whole mini-batch (`losses.batch_counts`)."""
         mask = mb.get("policy_mask", mb["response_mask"])  # rejection-masked under correction
         old_log_prob = jax.lax.stop_gradient(out["log_prob"]) if on_policy else mb["old_log_prob"]
-        pg_loss, metrics = losses.policy_loss(
-            actor.policy_loss,
-            old_log_prob=old_log_prob,
-            log_prob=out["log_prob"],
-            advantages=mb["advantages"],
-            response_mask=mask,
-            loss_agg_mode=actor.loss_agg_mode,
-            config=loss_cfg,
+        pg_loss, metrics = policy_loss_fn(
+            old_log_prob,
+            out["log_prob"],
+            mb["advantages"],
+            mask,
             counts=counts,
             rollout_is_weights=mb.get("rollout_is_weights"),
         )
