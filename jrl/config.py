@@ -631,11 +631,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         v = cfg.actor[name]
         if v is None and name != "clip_ratio":
             continue  # unset: actor.clip_ratio
-        _check(
-            v is not None and 0 < v < 1,
-            f"actor.{name}={v} must be in (0, 1)"
-            + ("." if name == "clip_ratio" else " (or unset: actor.clip_ratio)."),
-        )
+        _check(v is not None and 0 < v < 1, f"actor.{name}={v} must be in (0, 1).")
     _check(cfg.actor.clip_ratio_c > 1, f"actor.clip_ratio_c={cfg.actor.clip_ratio_c} must be > 1.")
     _check(
         cfg.algorithm.gamma >= 0 and 0 <= cfg.algorithm.lam <= 1,
