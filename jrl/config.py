@@ -3,6 +3,10 @@
 `base_config()` holds every field a run reads, each with a one-line comment; the files in
 `configs/` start from it and change what their algorithm needs. Field names follow verl's
 (`data.train_batch_size`, `rollout.n`, `actor.clip_ratio_high`, `algorithm.adv_estimator`, ...).
+`math_base` / `ppo_math_base` build what the files in `configs/` share (the GRPO- and PPO-on-math
+bases with the `PRESETS` registry of `:model=...,lora,mesh=...` presets), so each file there
+imports only ml_collections and jrl.config. Valid names (estimators, losses, aggregation modes,
+KL kinds and controllers, tasks, rewards) are read from their registries.
 `validate(cfg)` runs before anything compiles and raises `ConfigError` with a one-line message
 that names the field and the fix.
 """
@@ -124,12 +128,9 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.actor.policy_loss = "vanilla"  # policy loss (jrl.algos.losses.POLICY_LOSSES)
     c.actor.clip_ratio = 0.2  # PPO clip epsilon (used by the two below where they are unset)
-    c.actor.clip_ratio_low = config_dict.placeholder(
-        float
-    )  # lower clip: ratio >= 1 - clip_ratio_low; unset (None): clip_ratio (verl's rule)
-    c.actor.clip_ratio_high = config_dict.placeholder(
-        float
-    )  # upper clip: ratio <= 1 + clip_ratio_high; unset (None): clip_ratio (DAPO: 0.28)
+    # Lower / upper clip, ratio in [1 - low, 1 + high]; unset (None): clip_ratio (verl's rule).
+    c.actor.clip_ratio_low = config_dict.placeholder(float)  # float or None: clip_ratio
+    c.actor.clip_ratio_high = config_dict.placeholder(float)  # float or None (DAPO: 0.28)
     c.actor.clip_ratio_c = 3.0  # dual-clip bound for negative advantages (> 1)
     c.actor.loss_scale_factor = (
         0.0  # seq-mean-token-sum-norm divisor; 0: the padded response length R
