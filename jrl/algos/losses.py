@@ -6,8 +6,9 @@ prompt, y_1..y_t), `advantages[:, t]` belongs to that action. Write
 
     log_ratio = log_prob - old_log_prob,  ratio = exp(log_ratio),  A = advantages,  m = response_mask.
 
-The function `make_policy_loss` returns zeroes every input where m == 0 before the loss sees it, so garbage on padding never
-reaches the loss, the metrics, or the gradient (d loss / d log_prob is exactly 0 there).
+The function `make_policy_loss` returns zeroes every input where m == 0 before the loss sees it,
+so garbage on padding never reaches the loss, the metrics, or the gradient (d loss / d log_prob is
+exactly 0 there).
 
 Micro-batches (verl 0.9.1's global batch info): `counts` = `batch_counts(mask of the whole
 mini-batch)` makes every aggregate and every metric of a micro-batch its share of the mini-batch's
