@@ -101,6 +101,14 @@ def estimator_params(algorithm) -> dict[str, Any]:
     }
 
 
+def _token_input(x, mask):
+    """An optional [B, T] input as float32, 0 where mask == 0 (None stays None)."""
+    if x is None:
+        return None
+    chex.assert_equal_shape([mask, x])
+    return zero_masked(jnp.asarray(x, jnp.float32), mask)
+
+
 def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
     """The estimator named by `algorithm.adv_estimator`, its parameters bound from the section:
 
@@ -156,24 +164,15 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
         if index is not None:
             chex.assert_shape(index, (batch,))
             index = jnp.asarray(index, jnp.int32)
-        if values is not None:
-            chex.assert_equal_shape([mask, values])
-            values = zero_masked(jnp.asarray(values, jnp.float32), mask)
+        values, old_log_prob, sum_pi_squared, rollout_is_weights = (
+            _token_input(x, mask) for x in (values, old_log_prob, sum_pi_squared, rollout_is_weights)
+        )
         if reward_baselines is not None:
             chex.assert_shape(reward_baselines, (batch,))
             reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
-        if old_log_prob is not None:
-            chex.assert_equal_shape([mask, old_log_prob])
-            old_log_prob = zero_masked(jnp.asarray(old_log_prob, jnp.float32), mask)
         if threshold is not None:
             threshold = jnp.asarray(threshold, jnp.float32)
             chex.assert_shape(threshold, ())
-        if sum_pi_squared is not None:
-            chex.assert_equal_shape([mask, sum_pi_squared])
-            sum_pi_squared = zero_masked(jnp.asarray(sum_pi_squared, jnp.float32), mask)
-        if rollout_is_weights is not None:
-            chex.assert_equal_shape([mask, rollout_is_weights])
-            rollout_is_weights = zero_masked(jnp.asarray(rollout_is_weights, jnp.float32), mask)
         rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
         out = estimator(
