@@ -4,17 +4,19 @@ Run:
   python -m jrl.train --config=configs/dapo_math.py --workdir=/tmp/jrl/dapo_math
   python -m jrl.train --config=configs/dapo_math.py:tiny   # seconds-long smoke run
 
-Starts from configs/grpo_math.py (same model, warm-up, batch sizes); fields in jrl/config.py.
+Starts from jrl.config.math_base (GRPO on math: same model, warm-up, batch sizes); fields in jrl/config.py.
 Dynamic sampling runs inside the jitted step: each step the host hands over
 `max_num_gen_batches` x `train_batch_size` prompts and the step keeps drawing generation rounds
 from them until `train_batch_size` groups whose rewards differ are found.
 """
 
-from configs import grpo_math
+from jrl import config as config_lib
+
+PRESETS = config_lib.PRESETS  # the presets after ':' (jrl/config.py)
 
 
 def get_config(arg: str | None = None):
-    c = grpo_math.get_config(arg)
+    c = config_lib.math_base(arg, "configs/dapo_math.py")
     c.algorithm.adv_estimator = "grpo"  # group-relative advantages
     c.actor.clip_ratio_low = 0.2  # decoupled clip: lower bound 1 - 0.2 ...
     c.actor.clip_ratio_high = 0.28  # ... upper bound 1 + 0.28 (clip-higher)

@@ -4,14 +4,16 @@ Run:
   python -m jrl.train --config=configs/group_ppo_math.py --workdir=/tmp/jrl/group_ppo_math
   python -m jrl.train --config=configs/group_ppo_math.py:tiny   # seconds-long smoke run
 
-Starts from configs/ppo_math.py (same model, warm-up, critic); fields in jrl/config.py.
+Starts from jrl.config.ppo_math_base (PPO on math: same model, warm-up, critic); fields in jrl/config.py.
 """
 
-from configs import ppo_math
+from jrl import config as config_lib
+
+PRESETS = config_lib.PRESETS  # the presets after ':' (jrl/config.py)
 
 
 def get_config(arg: str | None = None):
-    c = ppo_math.get_config(arg)
+    c = config_lib.ppo_math_base(arg, "configs/group_ppo_math.py")
     c.algorithm.adv_estimator = "group_ppo"  # one advantage per segment, critic at its start
     g = c.algorithm.group_params
     g.group_variance_threshold = 1.0  # initial threshold tau on rho = r_grpo / r_ppo

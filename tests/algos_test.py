@@ -7,7 +7,6 @@ formulas in ALGORITHMS.md / the docstrings, never by calling the code under test
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -16,29 +15,14 @@ from jrl.algos import advantages as adv_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses as loss_lib
 
+import algos_fixtures as fx
+
 ATOL = 1e-5
 
 
-def algo_cfg(**kw):
-    base = dict(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
-    base.update(kw)
-    return ml_collections.ConfigDict(base)
-
-
-def actor_cfg(**kw):
-    base = dict(
-        clip_ratio=0.2,
-        clip_ratio_low=None,
-        clip_ratio_high=None,
-        clip_ratio_c=3.0,
-        loss_scale_factor=None,
-        dro_beta=0.1,
-        rollout_correction=dict(
-            rollout_is="token", rollout_is_threshold="2.0", rollout_rs="", loss_type="ppo_clip"
-        ),
-    )
-    base.update(kw)
-    return ml_collections.ConfigDict(base)
+algo_cfg, actor_cfg = fx.algo_cfg, fx.actor_cfg
+# the rollout-correction settings bypass_mode runs with here
+LOSS_RC = dict(rollout_is="token", rollout_is_threshold="2.0", rollout_rs="", loss_type="ppo_clip")
 
 
 def close(actual, expected, atol=ATOL):
@@ -93,7 +77,7 @@ def test_masked_var_small_n_is_zero_not_nan_under_jit():
 def test_worked_vector_1_gae():
     values = jnp.array([[0.3, 0.4, 0.5, 0.7, 0.8]])
     rewards = jnp.array([[0.0, 0.0, 0.0, 0.0, 1.0]])
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "gae",
         token_level_rewards=rewards,
         response_mask=jnp.ones((1, 5)),
@@ -115,7 +99,7 @@ def test_worked_vector_2_kl_in_reward_then_gae():
     close(metrics["actor/reward_kl_penalty"], (0.1 + 0.05 - 0.05 + 0.1 + 0.2 + 0.05) / 6)
     close(metrics["actor/reward_kl_penalty_coeff"], 0.1)
     values = jnp.array([[0.20, 0.25, 0.30, 0.35, 0.45, 0.60]])
-    _, ret = adv_lib.compute(
+    _, ret = fx.compute(
         "gae",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -129,7 +113,7 @@ def test_worked_vector_2_kl_in_reward_then_gae():
 def test_worked_vector_3_grpo_two_prompts():
     mask = np.array([[1, 1, 0, 0]] * 3 + [[1, 1, 1, 0]] * 3, np.float32)
     rewards = last_token_rewards([1, 0, 1, 1, 0, 1], mask)
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "grpo",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -144,7 +128,7 @@ def test_worked_vector_3_grpo_two_prompts():
 def test_worked_vector_4_grpo_unbiased_std():
     mask = np.ones((5, 3), np.float32)
     rewards = last_token_rewards([1, 0, 1, 0, 1], mask)
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "grpo",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -175,7 +159,7 @@ def test_gae_with_holes_and_discount():
     m = np.array([[1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]], np.float32)
     r = (rng.normal(size=m.shape) * m).astype(np.float32)
     v = rng.normal(size=m.shape).astype(np.float32)
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "gae", token_level_rewards=r, response_mask=m, values=v, config=algo_cfg(gamma=0.9, lam=0.8)
     )
     raw = np_gae(r, v, m, 0.9, 0.8)
@@ -187,7 +171,7 @@ def test_grpo_dr_grpo_and_singleton_group():
     mask = np.ones((4, 2), np.float32)
     rewards = last_token_rewards([2.0, 0.0, 1.0, 0.5], mask)
     index = jnp.array([0, 0, 0, 3])  # group 3 has one sample
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "grpo",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -195,7 +179,7 @@ def test_grpo_dr_grpo_and_singleton_group():
         config=algo_cfg(norm_adv_by_std_in_grpo=False),
     )
     close(adv[:, 0], [1.0, -1.0, 0.0, 0.5])  # s - mean; singleton: mean 0
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "grpo", token_level_rewards=rewards, response_mask=mask, index=index, config=algo_cfg()
     )
     close(
@@ -208,7 +192,7 @@ def test_grpo_passk():
     scores = [0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 0.3]
     index = jnp.array([0, 0, 0, 1, 1, 1, 2])  # group 1 ties at the top; group 2 is a singleton
     rewards = last_token_rewards(scores, mask)
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "grpo_passk",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -218,7 +202,7 @@ def test_grpo_passk():
     std0 = np.std([0.2, 0.9, 0.5], ddof=1)
     close(adv[:, 0], [0, 0.4 / (std0 + 1e-6), 0, 0, 0, 0, 0])
     close(ret, adv)
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "grpo_passk",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -231,7 +215,7 @@ def test_grpo_passk():
 def test_rloo():
     mask = np.array([[1, 1, 0]] * 3 + [[1, 0, 0]], np.float32)
     rewards = last_token_rewards([1.0, 0.0, 1.0, 0.7], mask)
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "rloo",
         token_level_rewards=rewards,
         response_mask=mask,
@@ -253,7 +237,7 @@ def test_reinforce_plus_plus():
         for t in reversed(range(4)):
             expected_ret[b, t] = r[b, t] + gamma * carry
             carry = expected_ret[b, t] if m[b, t] else carry
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "reinforce_plus_plus", token_level_rewards=r, response_mask=m, config=algo_cfg(gamma=gamma)
     )
     close(ret, expected_ret * m)
@@ -268,7 +252,7 @@ def test_reinforce_plus_plus_baseline():
     centered = s - np.array(
         [0.5, 0.5, 0.0, 0.0]
     )  # group {0, 1} has mean 0.5; singletons use mean 0
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "reinforce_plus_plus_baseline",
         token_level_rewards=last_token_rewards(s, m),
         response_mask=m,
@@ -282,7 +266,7 @@ def test_reinforce_plus_plus_baseline():
 def test_remax():
     m = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
     r = np.array([[0, 1, 0, 0], [0.5, 2, 0, 0]], np.float32)
-    adv, ret = adv_lib.compute(
+    adv, ret = fx.compute(
         "remax",
         token_level_rewards=r,
         response_mask=m,
@@ -295,7 +279,7 @@ def test_remax():
 
 def test_opo():
     m = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "opo",
         token_level_rewards=last_token_rewards([1.0, 0.0, 0.6], m),
         response_mask=m,
@@ -311,11 +295,11 @@ def test_gpg():
     rewards = last_token_rewards([1.0, 0.0, 0.0, 2.0], m)
     index = jnp.array([0, 0, 1, 1])
     # alpha = B / #nonzero = 4 / 2; group means 0.5 and 1.0
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "gpg", token_level_rewards=rewards, response_mask=m, index=index, config=algo_cfg()
     )
     close(adv[:, 0], [1.0, -1.0, -2.0, 2.0])
-    adv, _ = adv_lib.compute(
+    adv, _ = fx.compute(
         "gpg",
         token_level_rewards=rewards,
         response_mask=m,
@@ -351,16 +335,8 @@ V_MASK = np.array([[1, 1, 0], [1, 1, 0]], np.float32)
 
 
 def run_loss(name, old, new, adv, mask, mode="token-mean", key=None, **cfg):
-    return loss_lib.policy_loss(
-        name,
-        old_log_prob=old,
-        log_prob=new,
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode=mode,
-        config=actor_cfg(**cfg),
-        key=key,
-    )
+    cfg = {"dro_beta": 0.1, **cfg}
+    return fx.run_loss(name, old, new, adv, mask, mode, key=key, rollout_correction=LOSS_RC, **cfg)
 
 
 def test_vanilla_asymmetric_and_dual_clip():
@@ -707,23 +683,22 @@ def test_apply_kl_penalty_metric_is_mean_of_row_means():
 
 
 def kl_algo_cfg(**ctrl):
-    return ml_collections.ConfigDict({"kl_ctrl": ctrl})
+    return fx.algo_cfg(kl_ctrl=ctrl)
 
 
 def test_kl_controllers():
     adaptive = kl_algo_cfg(type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=1000)
     beta = kl_lib.kl_ctrl_init(adaptive)
     close(beta, 0.1)
-    close(kl_lib.kl_ctrl_update(beta, 0.11, 100, adaptive), 0.1 * (1 + 0.1 * 100 / 1000))
-    close(
-        kl_lib.kl_ctrl_update(beta, 0.5, 100, adaptive), 0.1 * (1 + 0.2 * 100 / 1000)
-    )  # error capped at 0.2
-    close(kl_lib.kl_ctrl_update(beta, 0.0, 100, adaptive), 0.1 * (1 - 0.2 * 100 / 1000))
-    jitted = jax.jit(lambda b, kl: kl_lib.kl_ctrl_update(b, kl, 64, adaptive))
+    update = kl_lib.make_kl_controller(adaptive)
+    close(update(beta, 0.11, 100), 0.1 * (1 + 0.1 * 100 / 1000))
+    close(update(beta, 0.5, 100), 0.1 * (1 + 0.2 * 100 / 1000))  # error capped at 0.2
+    close(update(beta, 0.0, 100), 0.1 * (1 - 0.2 * 100 / 1000))
+    jitted = jax.jit(lambda b, kl: update(b, kl, 64))
     close(jitted(beta, jnp.float32(0.09)), 0.1 * (1 - 0.1 * 64 / 1000))
     fixed = kl_algo_cfg(type="fixed", kl_coef=0.05)
-    close(kl_lib.kl_ctrl_update(kl_lib.kl_ctrl_init(fixed), 3.0, 100, fixed), 0.05)
-    close(kl_lib.kl_ctrl_init(ml_collections.ConfigDict()), 0.001)  # verl's default kl_coef
+    close(kl_lib.make_kl_controller(fixed)(kl_lib.kl_ctrl_init(fixed), 3.0, 100), 0.05)
+    close(kl_lib.kl_ctrl_init(fx.algo_cfg()), 0.001)  # base_config's (verl's) kl_coef
     with pytest.raises(ValueError, match="horizon"):
         kl_lib.kl_ctrl_init(kl_algo_cfg(type="adaptive", horizon=0))
 
@@ -758,7 +733,7 @@ def all_outputs(x, mask):
     out = {}
     cfg = algo_cfg(gamma=0.95, lam=0.9)
     for name in adv_lib.names():
-        out[name] = adv_lib.compute(
+        out[name] = fx.compute(
             name,
             token_level_rewards=x["rewards"],
             response_mask=mask,
@@ -810,7 +785,7 @@ def test_unknown_names_raise_and_list_valid_names():
     x = jnp.zeros((2, 3))
     cases = [  # (call, the bad name, the names the message must list)
         (
-            lambda: adv_lib.compute(
+            lambda: fx.compute(
                 "nope", token_level_rewards=x, response_mask=x, config=algo_cfg()
             ),
             "nope",
@@ -841,11 +816,11 @@ def test_unknown_names_raise_and_list_valid_names():
 def test_missing_inputs_raise():
     x = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="index"):
-        adv_lib.compute("grpo", token_level_rewards=x, response_mask=x, config=algo_cfg())
+        fx.compute("grpo", token_level_rewards=x, response_mask=x, config=algo_cfg())
     with pytest.raises(ValueError, match="values"):
-        adv_lib.compute("gae", token_level_rewards=x, response_mask=x, config=algo_cfg())
+        fx.compute("gae", token_level_rewards=x, response_mask=x, config=algo_cfg())
     with pytest.raises(ValueError, match="reward_baselines"):
-        adv_lib.compute("remax", token_level_rewards=x, response_mask=x, config=algo_cfg())
+        fx.compute("remax", token_level_rewards=x, response_mask=x, config=algo_cfg())
     with pytest.raises(ValueError, match="clip_ratio_c"):
         run_loss("vanilla", x, x, x, x, clip_ratio_c=1.0)
 

@@ -17,23 +17,16 @@ import pytest
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as gp
 
+import algos_fixtures as fx
+
 ATOL = 1e-5
 W1 = -30.0  # old_log_prob with p = exp(-30) ~ 1e-13, so w = (1 - p)^2 = 1 in float32
 W4 = math.log(0.5)  # p = 1/2, w = 1/4
 
 
 def cfg(gamma=1.0, lam=1.0, **group):
-    base = {
-        "group_variance_threshold": 1.0,
-        "group_max_size": 16,
-        "group_epsilon": 1e-6,
-        "adaptive_threshold": True,
-        "threshold_lr": 0.01,
-        "min_threshold": 0.1,
-        "max_threshold": 10.0,
-    }
-    base.update(group)
-    return ml_collections.ConfigDict({"gamma": gamma, "lam": lam, "group_params": base})
+    """The complete algorithm section (base_config) with gamma, lam and group_params overrides."""
+    return fx.algo_cfg(gamma=gamma, lam=lam, group_params=group)
 
 
 def close(actual, expected, atol=ATOL):
@@ -57,7 +50,9 @@ def run(r, m, v, logp, tau, config):
         values=jnp.asarray(v, jnp.float32),
         old_log_prob=jnp.asarray(logp, jnp.float32),
         threshold=jnp.float32(tau),
-        config=config,
+        gamma=config.gamma,
+        lam=config.lam,
+        params=gp.group_params(config),
     )
 
 
@@ -216,7 +211,7 @@ def test_hand_worked_batch_threshold_moves_the_cuts():
 def test_max_size_one_is_gae():
     r, m, v, logp = random_batch(0)
     config = cfg(gamma=0.9, lam=0.8, group_max_size=1)
-    full = adv_lib.compute_full(
+    full = fx.compute_full(
         "group_ppo",
         token_level_rewards=r,
         response_mask=m,
@@ -225,7 +220,7 @@ def test_max_size_one_is_gae():
         threshold=jnp.float32(1.0),
         config=config,
     )
-    gae_adv, gae_ret = adv_lib.compute(
+    gae_adv, gae_ret = fx.compute(
         "gae", token_level_rewards=r, response_mask=m, values=v, config=config
     )
     # equal up to float32 rounding: the two scans are compiled separately (max difference seen:
@@ -316,22 +311,24 @@ def test_threshold_moves_down_for_a_good_critic_and_up_for_a_bad_one():
     for values, sign in ((good, 1), (bad, -1)):
         ev = np_explained_variance(ret, values, m)
         assert np.sign(ev) == sign
-        new = gp.update_threshold(jnp.float32(2.0), ret, values, m, config)
+        new = gp.update_threshold(jnp.float32(2.0), ret, values, m, params=gp.group_params(config))
         close(new, 2.0 * math.exp(-0.05 * ev), atol=1e-5)
         assert (new < 2.0) if sign > 0 else (new > 2.0)
     # clipped to [min_threshold, max_threshold] in log space
     big = cfg(threshold_lr=100.0, min_threshold=0.5, max_threshold=3.0)
-    close(gp.update_threshold(jnp.float32(2.0), ret, good, m, big), 0.5)
-    close(gp.update_threshold(jnp.float32(2.0), ret, bad, m, big), 3.0)
-    close(gp.update_threshold(jnp.float32(np.inf), ret, bad, m, big), 3.0)
+    big = gp.group_params(big)
+    close(gp.update_threshold(jnp.float32(2.0), ret, good, m, params=big), 0.5)
+    close(gp.update_threshold(jnp.float32(2.0), ret, bad, m, params=big), 3.0)
+    close(gp.update_threshold(jnp.float32(np.inf), ret, bad, m, params=big), 3.0)
     # not adaptive: unchanged
-    close(gp.update_threshold(jnp.float32(2.0), ret, bad, m, cfg(adaptive_threshold=False)), 2.0)
+    fixed = gp.group_params(cfg(adaptive_threshold=False))
+    close(gp.update_threshold(jnp.float32(2.0), ret, bad, m, params=fixed), 2.0)
 
 
 def test_init_threshold_and_config_checks():
     assert gp.init_threshold(cfg(group_variance_threshold=0.7)).dtype == jnp.float32
     close(gp.init_threshold(cfg(group_variance_threshold=0.7)), 0.7)
-    close(gp.init_threshold(ml_collections.ConfigDict({"gamma": 1.0})), 1.0)  # defaults
+    close(gp.init_threshold(fx.algo_cfg()), 1.0)  # base_config's default
     for bad in (
         {"group_max_size": 0},
         {"group_max_size": 2.5},
@@ -361,7 +358,7 @@ def inputs(r, m, v, logp, tau, config):
 
 
 def full(name, *args):
-    return adv_lib.compute_full(name, **inputs(*args))
+    return fx.compute_full(name, **inputs(*args))
 
 
 def test_compute_full_for_every_estimator():
@@ -371,7 +368,7 @@ def test_compute_full_for_every_estimator():
     assert "group_ppo" in adv_lib.names()
     for name in adv_lib.names():
         out = full(name, r, m, v, logp, tau, config)
-        adv, ret = adv_lib.compute(name, **inputs(r, m, v, logp, tau, config))
+        adv, ret = fx.compute(name, **inputs(r, m, v, logp, tau, config))
         chex.assert_trees_all_close((out["advantages"], out["returns"]), (adv, ret))
         if name != "group_ppo":
             np.testing.assert_array_equal(out["critic_mask"], m)
@@ -385,7 +382,7 @@ def test_compute_full_for_every_estimator():
         adv_lib.register("nope", needs=("old_logprob",))
     assert adv_lib.needs("group_ppo") == ("values", "old_log_prob", "threshold")
     with pytest.raises(ValueError, match="old_log_prob, threshold"):
-        adv_lib.compute(
+        fx.compute(
             "group_ppo", token_level_rewards=r, response_mask=m, values=v, config=config
         )
 

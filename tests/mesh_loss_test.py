@@ -3,31 +3,21 @@ mode (jrl's global means need no dp_size / global_batch_size arguments, unlike v
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses as loss_lib
 
-CFG = ml_collections.ConfigDict(
-    dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_scale_factor=None)
-)
+import algos_fixtures as fx
 
 
 def all_losses(x, mode):
     """The policy loss of several kinds (with IS weights), its gradient, KL loss and value loss."""
     out = {}
     for name in ("vanilla", "gspo", "geo_mean"):
-        f = lambda lp, name=name: loss_lib.policy_loss(
-            name,
-            old_log_prob=x["old"],
-            log_prob=lp,
-            advantages=x["adv"],
-            response_mask=x["mask"],
-            loss_agg_mode=mode,
-            config=CFG,
-            rollout_is_weights=x["w"],
+        f = lambda lp, name=name: fx.run_loss(
+            name, x["old"], lp, x["adv"], x["mask"], mode, weights=x["w"], clip_ratio_high=0.28
         )
         out[name] = jax.value_and_grad(f, has_aux=True)(x["new"])
     mask = x["mask"]

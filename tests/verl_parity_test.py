@@ -8,7 +8,6 @@ Expected numbers are written out by hand or computed here with numpy loops writt
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -17,6 +16,8 @@ from jrl.algos import kl as kl_lib
 from jrl.algos import losses as loss_lib
 from jrl.algos import rollout_corr
 
+import algos_fixtures as fx
+
 ATOL = 1e-5
 
 
@@ -24,23 +25,7 @@ def close(actual, expected, atol=ATOL):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected, np.float64), rtol=0, atol=atol)
 
 
-def actor_cfg(**kw):
-    base = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0)
-    base.update(kw)
-    return ml_collections.ConfigDict(base)
-
-
-def run_loss(name, old, new, adv, mask, mode="token-mean", weights=None, **cfg):
-    return loss_lib.policy_loss(
-        name,
-        old_log_prob=old,
-        log_prob=new,
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode=mode,
-        config=actor_cfg(**cfg),
-        rollout_is_weights=weights,
-    )
+run_loss = fx.run_loss
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -124,7 +109,7 @@ def np_otb(r, old, spsq, m, index, rho=None):
 
 
 def otb(name, r, old, spsq, mask=OTB_MASK, rho=None):
-    return adv_lib.compute(
+    return fx.compute(
         name,
         token_level_rewards=r,
         response_mask=mask,
@@ -132,7 +117,7 @@ def otb(name, r, old, spsq, mask=OTB_MASK, rho=None):
         old_log_prob=old,
         sum_pi_squared=spsq,
         rollout_is_weights=rho,
-        config=ml_collections.ConfigDict(),
+        config=fx.algo_cfg(),
     )
 
 
@@ -189,7 +174,7 @@ def test_gdpo_is_whitened_grpo_and_vectorized_names():
     r = np.zeros_like(m)
     r[np.arange(4), m.sum(1).astype(int) - 1] = s
     index = np.array([0, 0, 1, 1])
-    cfg = ml_collections.ConfigDict(dict(norm_adv_by_std_in_grpo=True))
+    cfg = fx.algo_cfg(norm_adv_by_std_in_grpo=True)
     # GRPO: groups {1, 0} and {3, 2}: mean 0.5 / 2.5, unbiased std 0.7071 -> +-0.70711
     g = np.array([1, -1, 1, -1], np.float32) * 0.5 / (np.sqrt(0.5) + 1e-6)
     x = g[:, None] * m
@@ -197,15 +182,15 @@ def test_gdpo_is_whitened_grpo_and_vectorized_names():
     mu = x.sum() / n
     var = (((x - mu) ** 2) * m).sum() / (n - 1)
     expected = (x - mu) / np.sqrt(var + 1e-8) * m
-    adv, ret = adv_lib.compute("gdpo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    adv, ret = fx.compute("gdpo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
     close(adv, expected)
     close(ret, expected)
-    a, _ = adv_lib.compute("grpo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    a, _ = fx.compute("grpo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
     close(a, x)
     # rloo_vectorized: like rloo, but a group of one gets 0 (rloo keeps the score)
     index = np.array([0, 0, 0, 3])
-    a, _ = adv_lib.compute("rloo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
-    b, _ = adv_lib.compute("rloo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    a, _ = fx.compute("rloo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    b, _ = fx.compute("rloo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
     # group {1, 0, 3}: 1 - 1.5, 0 - 2, 3 - 0.5
     close(a[:3, 0], [-0.5, -2.0, 2.5])
     close(b[:3, 0], [-0.5, -2.0, 2.5])
@@ -295,7 +280,7 @@ def test_bypass_mode(loss_type):
 def test_token_tis_and_sequence_icepop_weights():
     m = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
     lr = np.array([[0.5, -0.2, 0.1], [1.0, 0.3, 9.0]], np.float32)
-    parsed = rollout_corr.settings(dict(rollout_is="token", rollout_is_threshold="1.5"))
+    parsed = rollout_corr.settings(fx.rc_cfg(rollout_is="token", rollout_is_threshold="1.5"))
     w, mask, metrics = rollout_corr.correct(lr, np.zeros_like(lr), m, parsed)
     expected = np.minimum(np.exp(lr), 1.5) * m
     close(w, expected)
@@ -306,7 +291,7 @@ def test_token_tis_and_sequence_icepop_weights():
     close(metrics["rollout_corr/rollout_is_max"], 1.5)
     close(metrics["rollout_corr/rollout_is_min"], np.exp(-0.2))
     # sequence-level IcePop [0.5, 2]: row sums 0.4 (kept, w = e^0.4) and 1.3 (e^1.3 > 2: zeroed)
-    parsed = rollout_corr.settings(dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0"))
+    parsed = rollout_corr.settings(fx.rc_cfg(rollout_is="sequence", rollout_is_threshold="0.5_2.0"))
     w, _, metrics = rollout_corr.correct(lr, np.zeros_like(lr), m, parsed)
     close(w, [[np.exp(0.4)] * 3, [0, 0, 0]])
     close(metrics["rollout_corr/rollout_is_oob_ratio"], 2 / 5)
@@ -319,7 +304,7 @@ def test_rejection_sampling_options():
     lr = np.array([[0.05, -0.1, 0.0], [0.6, 0.0, 0.0], [-0.02, 0.0, 0.0]], np.float32)
     k3 = np.exp(lr) - 1 - lr
     # seq_mean_k3 <= 0.05: row 1's mean k3 = (0.2221 + 0) / 2 = 0.111 is rejected
-    parsed = rollout_corr.settings(dict(rollout_is="", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05"))
+    parsed = rollout_corr.settings(fx.rc_cfg(rollout_is="", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05"))
     w, mask, metrics = rollout_corr.correct(lr, np.zeros_like(lr), m, parsed)
     assert w is None
     close(mask, m * np.array([[1], [0], [1]]))
@@ -329,7 +314,7 @@ def test_rejection_sampling_options():
     close(metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 1 / 3)
     # two options, both must pass; a single k1 bound U means [1/U, U] on the ratio
     parsed = rollout_corr.settings(
-        dict(rollout_is="", rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="1.08,0.1")
+        fx.rc_cfg(rollout_is="", rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="1.08,0.1")
     )
     _, mask, _ = rollout_corr.correct(lr, np.zeros_like(lr), m, parsed)
     token_ok = (-lr >= -np.log(1.08)) & (-lr <= np.log(1.08))  # |lr| <= 0.077
@@ -351,7 +336,7 @@ def test_bad_rollout_correction_settings(field, value):
     rc = dict(rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold="0.1")
     rc[field] = value
     with pytest.raises(ValueError):
-        rollout_corr.settings(rc)
+        rollout_corr.settings(fx.rc_cfg(**rc))
 
 
 # ----------------------------------------------------------------------------- KL

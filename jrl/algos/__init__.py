@@ -1,12 +1,20 @@
 """RL maths: advantage estimators, policy/value losses, KL penalties, and shared masked helpers.
 
 Submodules (import them explicitly; this package does not import them itself):
-  advantages.py  registry of advantage estimators (gae, grpo, rloo, ...): `advantages.compute(name, ...)`
-  losses.py      registry of policy losses, loss aggregation, value loss, entropy
-  kl.py          KL estimators, KL-in-reward, fixed/adaptive KL controllers
+  advantages.py   registry of advantage estimators (gae, grpo, rloo, ...): `make_estimator(algorithm)`
+  losses.py       registry of policy losses, loss aggregation, value loss, entropy:
+                  `make_policy_loss(actor, rollout_correction)`
+  kl.py           KL estimators, KL-in-reward, fixed/adaptive KL controllers: `make_kl_controller`
+  group_ppo.py    GROUP-PPO's segment-level advantages (registered by advantages.py)
+  recurrences.py  the reverse scans shared by the estimators (GAE, discounted returns)
+  rollout_corr.py rollout-correction IS weights and rejection masks
 
-The masked reductions below are the ones every other module uses; `registrar` / `lookup` /
-`positive_field` are the small registry and config helpers the submodules share. Arrays are batch-major
+Imports go one way: advantages -> group_ppo -> recurrences; every module may use this package.
+The maths take explicit keyword arguments; each `make_*` binds them once from a config section
+(jrl.config.base_config holds every default). Every registry is a `jrl.registry.Registry`.
+
+The masked reductions below are the ones every other module uses; `check_positive` validates a
+bound parameter. Arrays are batch-major
 ([B, T] for token quantities); `mask` is the response mask (1 = a real response token, 0 = padding
 or an observation token). All of them are jittable and NaN-safe with respect to masked entries:
 values where mask == 0 are selected away with `jnp.where` before any arithmetic, so garbage (even
@@ -58,32 +66,8 @@ def zero_masked(x, mask):
     return jnp.where(mask != 0, x, 0.0)
 
 
-def registrar(registry: dict, what: str):
-    """Returns `register(*names)`, a decorator adding a function to `registry` under each name."""
-
-    def register(*names):
-        def decorator(fn):
-            for name in names:
-                if name in registry:
-                    raise ValueError(f"{what} {name!r} is already registered.")
-                registry[name] = fn
-            return fn
-
-        return decorator
-
-    return register
-
-
-def lookup(registry: dict, name: str, what: str):
-    """registry[name]; an unknown name raises ValueError listing the valid (sorted) names."""
-    if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}: valid names are {', '.join(sorted(registry))}.")
-    return registry[name]
-
-
-def positive_field(config, field: str, default):
-    """config.get(field, default), which must be > 0 (ValueError otherwise; checked at trace time)."""
-    value = config.get(field, default)
+def check_positive(name: str, value):
+    """`value`, which must be > 0 (ValueError naming `name` otherwise; checked at trace time)."""
     if not value > 0:
-        raise ValueError(f"{field} must be > 0, got {value}.")
+        raise ValueError(f"{name} must be > 0, got {value}.")
     return value

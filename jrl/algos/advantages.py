@@ -1,4 +1,4 @@
-"""Advantage estimators, picked by name: `compute(name, ...) -> (advantages, returns)`.
+"""Advantage estimators, picked by `algorithm.adv_estimator`: `make_estimator(algorithm) -> fn`.
 
 Numerically the same as verl 0.9.1 (`verl/trainer/ppo/core_algos.py`) at every valid position.
 
@@ -13,25 +13,23 @@ Conventions (verl's token alignment):
     segment sums with num_segments = B.
   * The sequence score of a row is s_b = sum_t r[b, t] * mask[b, t].
 
-Masking rules (applied once, in `compute_full`, which `compute` calls):
+Masking rules (applied once, by the function `make_estimator` returns):
   * inputs are zeroed where mask == 0 before anything else, so garbage there never matters;
   * both outputs are exactly 0 where mask == 0. verl leaves non-zero junk at some masked positions
     (GAE's whitened advantages and returns on padding, remax inside holes); jrl zeros them. Valid
     positions are unaffected;
   * outputs carry no gradient (verl computes them under `torch.no_grad`).
 
-Two entry points share one registry:
-  * `compute(name, ...) -> (advantages, returns)`, the stable API;
-  * `compute_full(name, ...) -> {"advantages", "returns", "critic_mask", "metrics",
-    "next_threshold", ...}`, which the fused step calls for every estimator alike: `critic_mask`
-    [B, T] is where the value loss applies (`response_mask` except for `group_ppo`), `metrics` a
-    dict of scalars ({} for most), `next_threshold` the GROUP-PPO threshold for the next step (the
-    `threshold` passed in, unchanged, for every other estimator).
+`make_estimator(algorithm)` binds the estimator's parameters (`estimator_params`: gamma, lam,
+norm_adv_by_std_in_grpo, f_norm, group_params) once from the config section and returns
+`fn(*, token_level_rewards, response_mask, index, ...) -> {"advantages", "returns",
+"critic_mask", "metrics", "next_threshold", ...}`, the same keys for every estimator (see
+`make_estimator`).
 
 Register a new estimator with `@register("name", needs=("index",))`. It returns either
 `(advantages, returns)` or a dict holding at least those two keys (and any of the others above,
-plus extras such as `group_ppo`'s "token_returns"). `group_ppo` registers itself from
-`jrl/algos/group_ppo.py`, imported at the end of this module so that `names()` always lists it.
+plus extras such as `group_ppo`'s "token_returns"). Shared recurrences live in
+`jrl.algos.recurrences`; GROUP-PPO's maths in `jrl.algos.group_ppo` (registered here).
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -41,12 +39,15 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import lookup, masked_whiten, registrar, zero_masked
+from jrl.algos import group_ppo as group_lib
+from jrl.algos import masked_whiten, zero_masked
+from jrl.algos.recurrences import discounted_returns, gae_advantages, reward_to_go
+from jrl.registry import Registry
 
 GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
 
 Estimator = Callable[..., Any]  # -> (advantages, returns) or a dict (see the module docstring)
-ESTIMATORS: dict[str, Estimator] = {}
+ESTIMATORS = Registry("advantage estimator")
 _NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
 _OPTIONAL_INPUTS = (
     "index",
@@ -57,20 +58,19 @@ _OPTIONAL_INPUTS = (
     "sum_pi_squared",
     "rollout_is_weights",
 )
-_add = registrar(ESTIMATORS, "advantage estimator")
 
 
 def register(name: str, needs: Sequence[str] = ()):
     """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values,
-    reward_baselines, old_log_prob, threshold, sum_pi_squared, rollout_is_weights, config)` under
-    `name` (take `**_` for the inputs you do not use); `needs` names the optional inputs it cannot
-    run without."""
+    reward_baselines, old_log_prob, threshold, sum_pi_squared, rollout_is_weights, **params)`
+    under `name`, `params` being those of `estimator_params` (take `**_` for the inputs and
+    parameters you do not use); `needs` names the optional inputs it cannot run without."""
     unknown = set(needs) - set(_OPTIONAL_INPUTS)
     if unknown:
         raise ValueError(f"unknown inputs {sorted(unknown)}; valid: {', '.join(_OPTIONAL_INPUTS)}.")
 
     def decorator(fn: Estimator) -> Estimator:
-        fn = _add(name)(fn)
+        ESTIMATORS.add(name, fn)
         _NEEDS[name] = tuple(needs)
         return fn
 
@@ -79,147 +79,125 @@ def register(name: str, needs: Sequence[str] = ()):
 
 def names() -> list[str]:
     """Sorted names of the registered advantage estimators."""
-    return sorted(ESTIMATORS)
+    return ESTIMATORS.names()
 
 
 def needs(name: str) -> tuple[str, ...]:
     """The optional inputs (`index`, `values`, ...) the estimator `name` cannot run without."""
-    lookup(ESTIMATORS, name, "advantage estimator")
+    ESTIMATORS.get(name)
     return _NEEDS[name]
 
 
-def compute(
-    name: str,
-    *,
-    token_level_rewards: jax.Array,
-    response_mask: jax.Array,
-    index: jax.Array | None = None,
-    values: jax.Array | None = None,
-    reward_baselines: jax.Array | None = None,
-    old_log_prob: jax.Array | None = None,
-    threshold: jax.Array | None = None,
-    sum_pi_squared: jax.Array | None = None,
-    rollout_is_weights: jax.Array | None = None,
-    config,
-) -> tuple[jax.Array, jax.Array]:
-    """Advantages and returns [B, T] of the estimator registered as `name` (static under jit).
-
-    `config` is the run config's `algorithm` section (an ml_collections.ConfigDict); each
-    estimator reads its own fields with defaults (see its docstring). `old_log_prob` [B, T] is
-    read by `group_ppo` and the optimal-token-baseline estimators, `threshold` (float32 scalar)
-    by `group_ppo`, `sum_pi_squared` [B, T] (sum_v pi_old(v)^2 at each position) and the optional
-    `rollout_is_weights` [B, T] by the optimal-token-baseline estimators. Same as
-    `compute_full(...)`'s "advantages" and "returns".
-    """
-    out = compute_full(
-        name,
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        index=index,
-        values=values,
-        reward_baselines=reward_baselines,
-        old_log_prob=old_log_prob,
-        threshold=threshold,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        config=config,
-    )
-    return out["advantages"], out["returns"]
+def estimator_params(algorithm) -> dict[str, Any]:
+    """Every estimator parameter, bound from the `algorithm` config section (each field must be
+    present; defaults and comments in jrl.config.base_config): gamma, lam,
+    norm_adv_by_std_in_grpo, f_norm, and group_params (a validated `group_ppo.GroupParams`)."""
+    return {
+        "gamma": algorithm.gamma,
+        "lam": algorithm.lam,
+        "norm_adv_by_std_in_grpo": bool(algorithm.norm_adv_by_std_in_grpo),
+        "f_norm": algorithm.f_norm,
+        "group_params": group_lib.group_params(algorithm),
+    }
 
 
-def compute_full(
-    name: str,
-    *,
-    token_level_rewards: jax.Array,
-    response_mask: jax.Array,
-    index: jax.Array | None = None,
-    values: jax.Array | None = None,
-    reward_baselines: jax.Array | None = None,
-    old_log_prob: jax.Array | None = None,
-    threshold: jax.Array | None = None,
-    sum_pi_squared: jax.Array | None = None,
-    rollout_is_weights: jax.Array | None = None,
-    config,
-) -> dict[str, Any]:
-    """Everything the fused step needs from the estimator `name`, the same keys for every name:
+def _token_input(x, mask):
+    """An optional [B, T] input as float32, 0 where mask == 0 (None stays None)."""
+    if x is None:
+        return None
+    chex.assert_equal_shape([mask, x])
+    return zero_masked(jnp.asarray(x, jnp.float32), mask)
 
-      advantages [B, T], returns [B, T]  as `compute` (0 where response_mask == 0, no gradient)
+
+def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
+    """The estimator named by `algorithm.adv_estimator`, its parameters bound from the section:
+
+        fn(*, token_level_rewards, response_mask, index, values=None, reward_baselines=None,
+           old_log_prob=None, threshold=None, sum_pi_squared=None, rollout_is_weights=None)
+        -> {"advantages", "returns", "critic_mask", "next_threshold", "metrics", ...}
+
+      advantages [B, T], returns [B, T]  0 where response_mask == 0, no gradient
       critic_mask [B, T] float32         where the value loss applies: response_mask, except
                                          group_ppo's segment starts
       metrics                            dict of float32 scalars ({} for most estimators)
       next_threshold                     group_ppo: the adapted threshold for the next step;
                                          others: `threshold` as passed (None if not passed)
     plus estimator-specific extras (group_ppo: "token_returns" [B, T], the per-token GAE returns).
-    Pass `threshold=state.<group threshold>` always, so switching estimators needs no other change.
+    `index` [B] is each row's group (prompt) id (None for estimators that need none);
+    `old_log_prob` [B, T] is read by `group_ppo` and the optimal-token-baseline estimators,
+    `threshold` (float32 scalar) by `group_ppo`: pass the train state's always, so switching
+    estimators needs no other change; `sum_pi_squared` [B, T] (sum_v pi_old(v)^2 at each
+    position) and `rollout_is_weights` [B, T] by the optimal-token-baseline estimators.
     """
-    estimator = lookup(ESTIMATORS, name, "advantage estimator")
-    given = {
-        "index": index,
-        "values": values,
-        "reward_baselines": reward_baselines,
-        "old_log_prob": old_log_prob,
-        "threshold": threshold,
-        "sum_pi_squared": sum_pi_squared,
-        "rollout_is_weights": rollout_is_weights,
-    }
-    missing = [k for k in _NEEDS[name] if given[k] is None]
-    if missing:
-        raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}.")
+    name = algorithm.adv_estimator
+    estimator = ESTIMATORS.get(name)
+    params = estimator_params(algorithm)
 
-    mask = jnp.asarray(response_mask, jnp.float32)
-    chex.assert_rank(mask, 2)
-    chex.assert_equal_shape([mask, token_level_rewards])
-    batch = mask.shape[0]
-    if index is not None:
-        chex.assert_shape(index, (batch,))
-        index = jnp.asarray(index, jnp.int32)
-    if values is not None:
-        chex.assert_equal_shape([mask, values])
-        values = zero_masked(jnp.asarray(values, jnp.float32), mask)
-    if reward_baselines is not None:
-        chex.assert_shape(reward_baselines, (batch,))
-        reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
-    if old_log_prob is not None:
-        chex.assert_equal_shape([mask, old_log_prob])
-        old_log_prob = zero_masked(jnp.asarray(old_log_prob, jnp.float32), mask)
-    if threshold is not None:
-        threshold = jnp.asarray(threshold, jnp.float32)
-        chex.assert_shape(threshold, ())
-    if sum_pi_squared is not None:
-        chex.assert_equal_shape([mask, sum_pi_squared])
-        sum_pi_squared = zero_masked(jnp.asarray(sum_pi_squared, jnp.float32), mask)
-    if rollout_is_weights is not None:
-        chex.assert_equal_shape([mask, rollout_is_weights])
-        rollout_is_weights = zero_masked(jnp.asarray(rollout_is_weights, jnp.float32), mask)
-    rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
+    def estimate(
+        *,
+        token_level_rewards: jax.Array,
+        response_mask: jax.Array,
+        index: jax.Array | None,
+        values: jax.Array | None = None,
+        reward_baselines: jax.Array | None = None,
+        old_log_prob: jax.Array | None = None,
+        threshold: jax.Array | None = None,
+        sum_pi_squared: jax.Array | None = None,
+        rollout_is_weights: jax.Array | None = None,
+    ) -> dict[str, Any]:
+        given = {
+            "index": index,
+            "values": values,
+            "reward_baselines": reward_baselines,
+            "old_log_prob": old_log_prob,
+            "threshold": threshold,
+            "sum_pi_squared": sum_pi_squared,
+            "rollout_is_weights": rollout_is_weights,
+        }
+        missing = [k for k in _NEEDS[name] if given[k] is None]
+        if missing:
+            raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}.")
+        mask = jnp.asarray(response_mask, jnp.float32)
+        chex.assert_rank(mask, 2)
+        chex.assert_equal_shape([mask, token_level_rewards])
+        batch = mask.shape[0]
+        if index is not None:
+            chex.assert_shape(index, (batch,))
+            index = jnp.asarray(index, jnp.int32)
+        values, old_log_prob, sum_pi_squared, rollout_is_weights = (
+            _token_input(x, mask) for x in (values, old_log_prob, sum_pi_squared, rollout_is_weights)
+        )
+        if reward_baselines is not None:
+            chex.assert_shape(reward_baselines, (batch,))
+            reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
+        if threshold is not None:
+            threshold = jnp.asarray(threshold, jnp.float32)
+            chex.assert_shape(threshold, ())
+        rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
-    out = estimator(
-        token_level_rewards=rewards,
-        response_mask=mask,
-        index=index,
-        values=values,
-        reward_baselines=reward_baselines,
-        old_log_prob=old_log_prob,
-        threshold=threshold,
-        sum_pi_squared=sum_pi_squared,
-        rollout_is_weights=rollout_is_weights,
-        config=config,
-    )
-    if not isinstance(out, Mapping):
-        out = dict(zip(("advantages", "returns"), out))
-    out = {"critic_mask": mask, "metrics": {}, "next_threshold": threshold, **out}
-    for key in ("advantages", "returns", "critic_mask"):
-        out[key] = zero_masked(out[key], mask)
-    return jax.lax.stop_gradient(out)
+        out = estimator(
+            token_level_rewards=rewards,
+            response_mask=mask,
+            index=index,
+            values=values,
+            reward_baselines=reward_baselines,
+            old_log_prob=old_log_prob,
+            threshold=threshold,
+            sum_pi_squared=sum_pi_squared,
+            rollout_is_weights=rollout_is_weights,
+            **params,
+        )
+        if not isinstance(out, Mapping):
+            out = dict(zip(("advantages", "returns"), out))
+        out = {"critic_mask": mask, "metrics": {}, "next_threshold": threshold, **out}
+        for key in ("advantages", "returns", "critic_mask"):
+            out[key] = zero_masked(out[key], mask)
+        return jax.lax.stop_gradient(out)
+
+    return estimate
 
 
 # ----------------------------------------------------------------------------- shared pieces
-
-
-def _reverse_scan(step, init, *xs_BT):
-    """Runs `step(carry, xs_t) -> (carry, y_t)` over t = T-1..0 (batched over B); returns y [B, T]."""
-    _, ys_TB = jax.lax.scan(step, init, tuple(x.T for x in xs_BT), reverse=True)
-    return ys_TB.T
 
 
 def _group_sum(x, index):
@@ -247,27 +225,8 @@ def _broadcast(per_row, mask):
 # ----------------------------------------------------------------------------- estimators
 
 
-def gae_advantages(token_level_rewards, response_mask, values, gamma, lam):
-    """Unwhitened GAE advantages A [B, T] (the recurrence of the `gae` estimator below).
-
-    Inputs must already be 0 where response_mask == 0 (as `compute` leaves them).
-    """
-
-    def step(carry, xs):
-        next_value, next_adv = carry
-        reward, value, valid = xs
-        delta = reward + gamma * next_value - value
-        adv = delta + gamma * lam * next_adv
-        next_value = jnp.where(valid != 0, value, next_value)
-        next_adv = jnp.where(valid != 0, adv, next_adv)
-        return (next_value, next_adv), next_adv
-
-    zeros = jnp.zeros(response_mask.shape[:1], jnp.float32)
-    return _reverse_scan(step, (zeros, zeros), token_level_rewards, values, response_mask)
-
-
 @register("gae", needs=("values",))
-def gae(*, token_level_rewards, response_mask, values, config, **_):
+def gae(*, token_level_rewards, response_mask, values, gamma, lam, **_):
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
 
     Reverse scan over t with carries (nextV, A_next), both 0 past the end:
@@ -276,17 +235,15 @@ def gae(*, token_level_rewards, response_mask, values, config, **_):
     and only where mask_t = 1 are the carries replaced (nextV <- V_t, A_next <- A_t); masked
     positions pass them through unchanged, so holes are skipped.
     returns = A + V (before whitening); advantages = masked_whiten(A) over the whole batch.
-    Config: gamma (1.0), lam (1.0).
+    Parameters: gamma, lam.
     """
-    gamma = config.get("gamma", 1.0)
-    lam = config.get("lam", 1.0)
     raw = gae_advantages(token_level_rewards, response_mask, values, gamma, lam)
     return masked_whiten(raw, response_mask), raw + values
 
 
 @register("grpo", needs=("index",))
 @register("grpo_vectorized", needs=("index",))
-def grpo(*, token_level_rewards, response_mask, index, config, **_):
+def grpo(*, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo, **_):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300); Dr.GRPO (arXiv:2503.20783).
 
     s_b = sum_t r[b, t]; per group: mean and unbiased std (a group of one: mean 0, std 1).
@@ -294,21 +251,21 @@ def grpo(*, token_level_rewards, response_mask, index, config, **_):
         A_b =  s_b - mean                    otherwise (Dr.GRPO)
     broadcast over the row's valid tokens; returns = advantages. Also registered as
     `grpo_vectorized` (verl's segment-op version of the same maths).
-    Config: norm_adv_by_std_in_grpo (True).
+    Parameters: norm_adv_by_std_in_grpo.
     """
     scores = jnp.sum(token_level_rewards, axis=-1)
     n, mean, std = _group_moments(scores, index)
     mean = jnp.where(n > 1, mean, 0.0)
     std = jnp.where(n > 1, std, 1.0)
     adv = scores - mean
-    if config.get("norm_adv_by_std_in_grpo", True):
+    if norm_adv_by_std_in_grpo:
         adv = adv / (std + GRPO_EPS)
     adv = _broadcast(adv, response_mask)
     return adv, adv
 
 
 @register("grpo_passk", needs=("index",))
-def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
+def grpo_passk(*, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo, **_):
     """Pass@k advantage (Chen et al. 2025, arXiv:2503.19595).
 
     Only the best response of each group gets a non-zero advantage:
@@ -317,7 +274,7 @@ def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
     Ties for the maximum give 0 whichever row is picked (jrl picks the lowest row). verl raises
     for a group with fewer than 2 samples; under jit that cannot be checked, so such a group gets
     advantage 0 (validate n >= 2 in the config).
-    Config: norm_adv_by_std_in_grpo (True).
+    Parameters: norm_adv_by_std_in_grpo.
     """
     scores = jnp.sum(token_level_rewards, axis=-1)
     batch = scores.shape[0]
@@ -332,7 +289,7 @@ def grpo_passk(*, token_level_rewards, response_mask, index, config, **_):
     )[index]
     n, _, std = _group_moments(scores, index)
     gap = jnp.where(n > 1, group_max - runner_up, 0.0)
-    if config.get("norm_adv_by_std_in_grpo", True):
+    if norm_adv_by_std_in_grpo:
         gap = gap / (std + GRPO_EPS)
     adv = _broadcast(jnp.where(is_best, gap, 0.0), response_mask)
     return adv, adv
@@ -365,23 +322,15 @@ def rloo_vectorized(*, token_level_rewards, response_mask, index, **_):
 
 
 @register("reinforce_plus_plus")
-def reinforce_plus_plus(*, token_level_rewards, response_mask, config, **_):
+def reinforce_plus_plus(*, token_level_rewards, response_mask, gamma, **_):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262).
 
     Discounted return-to-go, reverse over t, carry c (c_T = 0):
         G_t = r_t + gamma * c_{t+1};   c_t = G_t where mask_t = 1, else c_{t+1} (passed through)
     so rewards propagate past observation tokens (holes) undiscounted by them (verl 0.9.1).
-    advantages = masked_whiten(G) * mask; returns = G * mask. Config: gamma (1.0).
+    advantages = masked_whiten(G) * mask; returns = G * mask. Parameters: gamma.
     """
-    gamma = config.get("gamma", 1.0)
-
-    def step(carry, xs):
-        reward, valid = xs
-        ret = reward + gamma * carry
-        return jnp.where(valid != 0, ret, carry), ret
-
-    init = jnp.zeros(response_mask.shape[:1], jnp.float32)
-    returns = _reverse_scan(step, init, token_level_rewards, response_mask)
+    returns = discounted_returns(token_level_rewards, response_mask, gamma)
     return masked_whiten(returns, response_mask) * response_mask, returns
 
 
@@ -407,7 +356,7 @@ def remax(*, token_level_rewards, response_mask, reward_baselines, **_):
     A_t = returns_t - b * mask_t, b = `reward_baselines` [B], the reward of the greedy response
     to the same prompt.
     """
-    returns = jnp.flip(jnp.cumsum(jnp.flip(token_level_rewards, -1), axis=-1), -1)
+    returns = reward_to_go(token_level_rewards)
     return returns - _broadcast(reward_baselines, response_mask), returns
 
 
@@ -428,24 +377,24 @@ def opo(*, token_level_rewards, response_mask, index, **_):
 
 
 @register("gpg", needs=("index",))
-def gpg(*, token_level_rewards, response_mask, index, config, **_):
+def gpg(*, token_level_rewards, response_mask, index, f_norm, **_):
     """Group Policy Gradient, GPG (Chu et al. 2025, arXiv:2504.02546).
 
     alpha = B / max(1, #rows with s_b != 0) over the whole batch;
     A_b = alpha * (s_b - group mean) / f_norm (a group of one: mean 0).
     Broadcast over valid tokens; returns = advantages.
-    Config: f_norm (1.0; verl always uses its default 1.0).
+    Parameters: f_norm (algorithm.f_norm; verl's default 1.0).
     """
     scores = jnp.sum(token_level_rewards, axis=-1)
     alpha = scores.shape[0] / jnp.maximum(jnp.count_nonzero(scores), 1).astype(jnp.float32)
     n, mean, _ = _group_moments(scores, index)
-    adv = alpha * (scores - jnp.where(n > 1, mean, 0.0)) / config.get("f_norm", 1.0)
+    adv = alpha * (scores - jnp.where(n > 1, mean, 0.0)) / f_norm
     adv = _broadcast(adv, response_mask)
     return adv, adv
 
 
 @register("gdpo", needs=("index",))
-def gdpo(*, token_level_rewards, response_mask, index, config, **_):
+def gdpo(*, token_level_rewards, response_mask, index, norm_adv_by_std_in_grpo, **_):
     """GDPO, group reward-decoupled normalisation (arXiv:2601.05242).
 
     Each reward component k is GRPO-normalised within its group on its own, the components are
@@ -453,10 +402,13 @@ def gdpo(*, token_level_rewards, response_mask, index, config, **_):
         A = masked_whiten(sum_k w_k GRPO(r_k)) * mask;  returns = advantages.
     jrl's rewards give one score per response, so there is one component (w = 1):
     A = masked_whiten(GRPO(r)) * mask, as verl computes without `gdpo_reward_keys`.
-    Config: norm_adv_by_std_in_grpo (True).
+    Parameters: norm_adv_by_std_in_grpo.
     """
     adv, _ = grpo(
-        token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, config=config
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        index=index,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
     )
     adv = masked_whiten(adv, response_mask) * response_mask
     return adv, adv
@@ -495,10 +447,6 @@ def _token_baseline(returns, w_cum, mask, index, members):
     return (returns - baseline) * mask
 
 
-def _reward_to_go(rewards):
-    return jnp.flip(jnp.cumsum(jnp.flip(rewards, -1), axis=-1), -1)
-
-
 @register("optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
 def optimal_token_baseline(
     *, token_level_rewards, response_mask, index, old_log_prob, sum_pi_squared, rollout_is_weights, **_
@@ -515,7 +463,7 @@ def optimal_token_baseline(
     (see `tir_optimal_token_baseline` for rows with holes). Needs sum_pi_squared from the old
     forward (the step computes it when this estimator is chosen).
     """
-    returns = _reward_to_go(token_level_rewards)
+    returns = reward_to_go(token_level_rewards)
     w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
     members = jnp.ones(response_mask.shape[:1], bool)
     adv = _token_baseline(returns, w_cum, response_mask, index, members)
@@ -531,7 +479,7 @@ def tir_optimal_token_baseline(
     share one baseline position k, skipping observation holes), empty rows join no group, and the
     advantages are scattered back to the tokens' own positions. Identical to
     `optimal_token_baseline` for right-padded rows without holes and empty rows."""
-    returns = _reward_to_go(token_level_rewards)
+    returns = reward_to_go(token_level_rewards)
     w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
     b, t = response_mask.shape
     valid = response_mask != 0
@@ -545,5 +493,30 @@ def tir_optimal_token_baseline(
     return adv, returns
 
 
-# GROUP-PPO registers itself as "group_ppo"; imported last because it uses this module.
-from jrl.algos import group_ppo as _group_ppo  # noqa: F401
+@register("group_ppo", needs=("values", "old_log_prob", "threshold"))
+def group_ppo(
+    *, token_level_rewards, response_mask, values, old_log_prob, threshold, gamma, lam, group_params, **_
+):
+    """GROUP-PPO (`jrl.algos.group_ppo`): segment advantages, returns, the critic mask of the
+    segment starts, group/* metrics, and the adapted threshold for the next step.
+    Parameters: gamma, lam, group_params."""
+    out = group_lib.group_ppo(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        values=values,
+        old_log_prob=old_log_prob,
+        threshold=threshold,
+        gamma=gamma,
+        lam=lam,
+        params=group_params,
+    )
+    return {
+        "advantages": out.advantages,
+        "returns": out.returns,
+        "critic_mask": out.critic_mask,
+        "metrics": out.metrics,
+        "token_returns": out.token_returns,
+        "next_threshold": group_lib.update_threshold(
+            threshold, out.token_returns, values, response_mask, params=group_params
+        ),
+    }

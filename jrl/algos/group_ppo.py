@@ -2,8 +2,8 @@
 
 Between PPO (a critic baseline at every token) and GRPO (one advantage per response): each
 response is cut into segments, every token of a segment shares one advantage, and the critic is
-trained only where a segment starts. The estimator is registered as "group_ppo" for
-`advantages.compute` / `advantages.compute_full`; docs/algorithms.md (GROUP-PPO) explains it.
+trained only where a segment starts. `jrl.algos.advantages` registers it as the
+estimator "group_ppo"; docs/algorithms.md (GROUP-PPO) explains it.
 
 Conventions (as in `advantages`, verl's alignment): token arrays are [B, T] float32; position t
 belongs to the action y_{t+1} chosen in state (prompt, y_1..y_t); `values[:, t]` = V of that state,
@@ -11,7 +11,7 @@ read before the token is chosen; `response_mask` m [B, T] is 1 on valid tokens. 
 take part: masked positions (right padding, or holes of multi-turn data) are skipped by every
 scan, so "the next token", segment lengths L_k and the discount exponents count valid tokens only.
 
-Per row, with A_tok the unwhitened per-token GAE advantages (`advantages.gae_advantages`):
+Per row, with A_tok the unwhitened per-token GAE advantages (`recurrences.gae_advantages`):
 
   1. w_t = (1 - exp(old_log_prob_t))^2.
   2. Forward scan (segmentation). The open segment starts at a (the first valid token), with
@@ -32,9 +32,9 @@ Per row, with A_tok the unwhitened per-token GAE advantages (`advantages.gae_adv
 Limiting cases: L = 1 gives `gae` (and critic_mask = m); tau = +inf with L >= T gives one segment
 per row, A = sum_t gamma^t r_t - V[0]; gamma = lam = 1 gives A_k = G(a_k) - V[a_k].
 
-Config (`algorithm` section): gamma (1.0), lam (1.0), and `group_params` with
-group_variance_threshold (1.0), group_max_size (16), group_epsilon (1e-6), adaptive_threshold
-(True), threshold_lr (0.01), min_threshold (0.1), max_threshold (10.0).
+Parameters (bound from the `algorithm` section): gamma, lam, and `group_params(algorithm)`:
+group_variance_threshold, group_max_size, group_epsilon, adaptive_threshold, threshold_lr,
+min_threshold, max_threshold (defaults and comments in jrl.config.base_config).
 """
 
 import math
@@ -43,28 +43,27 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import advantages, masked_var, masked_whiten, zero_masked
+from jrl.algos import masked_var, masked_whiten, recurrences, zero_masked
 
 EV_EPS = 1e-5  # verl's guard in critic/vf_explained_var: 1 - Var(R - V) / (Var(R) + 1e-5)
 
 
 class GroupParams(NamedTuple):
-    """`algorithm.group_params` with its defaults."""
+    """`algorithm.group_params`, bound once by `group_params` (defaults: jrl.config.base_config)."""
 
-    group_variance_threshold: float = 1.0  # initial tau
-    group_max_size: int = 16  # L: most valid tokens per segment
-    group_epsilon: float = 1e-6  # eps in rho
-    adaptive_threshold: bool = True  # adapt tau once per step from the critic's EV
-    threshold_lr: float = 0.01  # eta of the log-space update
-    min_threshold: float = 0.1  # tau stays in [min_threshold, max_threshold]
-    max_threshold: float = 10.0
+    group_variance_threshold: float  # initial tau
+    group_max_size: int  # L: most valid tokens per segment
+    group_epsilon: float  # eps in rho
+    adaptive_threshold: bool  # adapt tau once per step from the critic's EV
+    threshold_lr: float  # eta of the log-space update
+    min_threshold: float  # tau stays in [min_threshold, max_threshold]
+    max_threshold: float
 
 
-def group_params(config) -> GroupParams:
-    """Reads `config.group_params` (absent fields take their defaults) and validates it."""
-    section = config.get("group_params", None)
-    section = {} if section is None else section
-    p = GroupParams(*(section.get(f, d) for f, d in GroupParams._field_defaults.items()))
+def group_params(algorithm) -> GroupParams:
+    """The validated `algorithm.group_params` section (every field must be present)."""
+    section = algorithm.group_params
+    p = GroupParams(*(section[f] for f in GroupParams._fields))
     checks = [
         (p.group_variance_threshold > 0, "group_variance_threshold must be > 0"),
         (int(p.group_max_size) == p.group_max_size >= 1, "group_max_size must be an integer >= 1"),
@@ -90,9 +89,9 @@ class GroupPPOOutput(NamedTuple):
     rho: jax.Array  # [B, T] rho_t of each tentative addition; 0 at a row's first valid token
 
 
-def init_threshold(config) -> jax.Array:
-    """The initial tau: `group_params.group_variance_threshold` as a float32 scalar."""
-    return jnp.float32(group_params(config).group_variance_threshold)
+def init_threshold(algorithm) -> jax.Array:
+    """The initial tau: `algorithm.group_params.group_variance_threshold` as a float32 scalar."""
+    return jnp.float32(group_params(algorithm).group_variance_threshold)
 
 
 def explained_variance(returns, values, mask) -> jax.Array:
@@ -105,7 +104,7 @@ def explained_variance(returns, values, mask) -> jax.Array:
     return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + EV_EPS)
 
 
-def update_threshold(threshold, returns_tok, values, response_mask, config) -> jax.Array:
+def update_threshold(threshold, returns_tok, values, response_mask, *, params: GroupParams) -> jax.Array:
     """The adaptive threshold, once per training step:
 
         EV = explained_variance(returns_tok, values, m)     (returns_tok = per-token GAE returns)
@@ -115,7 +114,7 @@ def update_threshold(threshold, returns_tok, values, response_mask, config) -> j
     that does not (EV < 0) raises it (longer, more GRPO-like segments). With
     `adaptive_threshold=False` tau is returned unchanged. Returns a float32 scalar.
     """
-    p = group_params(config)
+    p = params
     threshold = jnp.asarray(threshold, jnp.float32)
     if not p.adaptive_threshold:
         return threshold
@@ -200,7 +199,7 @@ def _segment_advantages(rewards, values, mask, is_start, gamma, lam):
 
 
 def group_ppo(
-    *, token_level_rewards, response_mask, values, old_log_prob, threshold, config
+    *, token_level_rewards, response_mask, values, old_log_prob, threshold, gamma, lam, params
 ) -> GroupPPOOutput:
     """GROUP-PPO advantages, returns and critic mask (steps 1-4 of the module docstring).
 
@@ -208,7 +207,7 @@ def group_ppo(
       token_level_rewards r, response_mask m, values V (V[:, t] read before token t),
       old_log_prob (log-probs of the rollout policy; w_t = (1 - exp(old_log_prob_t))^2),
       threshold tau: float32 scalar (the train state's; `init_threshold` at the start),
-      config: the `algorithm` section (gamma, lam, group_params).
+      gamma, lam: discount and GAE lambda; params: `GroupParams` (`group_params(algorithm)`).
 
     Metrics (float32 scalars):
       group/total_endpoints   K = number of segments in the batch (= sum of critic_mask)
@@ -219,16 +218,14 @@ def group_ppo(
                               all valid tokens except each row's first, whether or not t then
                               started a new segment (0 when there is none)
     """
-    p = group_params(config)
-    gamma = config.get("gamma", 1.0)
-    lam = config.get("lam", 1.0)
+    p = params
     mask = jnp.asarray(response_mask, jnp.float32)
     rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
     values = zero_masked(jnp.asarray(values, jnp.float32), mask)
     old_log_prob = zero_masked(jnp.asarray(old_log_prob, jnp.float32), mask)
     tau = jnp.asarray(threshold, jnp.float32)
 
-    adv_tok = advantages.gae_advantages(rewards, mask, values, gamma, lam)
+    adv_tok = recurrences.gae_advantages(rewards, mask, values, gamma, lam)
     weights = jnp.square(1.0 - jnp.exp(old_log_prob))
     is_start, start_pos, rho, evaluated = _segment_starts(
         adv_tok, weights, mask, tau, p.group_max_size, p.group_epsilon
@@ -259,28 +256,3 @@ def group_ppo(
         rho=rho,
     )
     return jax.lax.stop_gradient(out)
-
-
-@advantages.register("group_ppo", needs=("values", "old_log_prob", "threshold"))
-def _group_ppo_estimator(
-    *, token_level_rewards, response_mask, values, old_log_prob, threshold, config, **_
-):
-    """Registry entry: `group_ppo` plus the adapted threshold for the next step."""
-    out = group_ppo(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        values=values,
-        old_log_prob=old_log_prob,
-        threshold=threshold,
-        config=config,
-    )
-    return {
-        "advantages": out.advantages,
-        "returns": out.returns,
-        "critic_mask": out.critic_mask,
-        "metrics": out.metrics,
-        "token_returns": out.token_returns,
-        "next_threshold": update_threshold(
-            threshold, out.token_returns, values, response_mask, config
-        ),
-    }

@@ -12,28 +12,31 @@ action t as everywhere in jrl:
 `kl_penalty(logp, ref, kind)` is used both for KL-in-reward (`algorithm.kl_penalty`) and for the
 KL loss (`actor.kl_loss_type`, aggregated with `losses.agg_loss`).
 
-The KL controller is a pure function pair on a float32 scalar `beta` that lives in the train state:
-`beta = kl_ctrl_init(config)`, then each step `beta = kl_ctrl_update(beta, current_kl, n_steps,
-config)` with `current_kl` from `apply_kl_penalty`'s metrics and n_steps = the batch size (rows),
-as verl does. `config` is the `algorithm` section; it reads `kl_ctrl.type` ('fixed' | 'adaptive',
-default 'fixed'), `kl_ctrl.kl_coef` (0.001), `kl_ctrl.target_kl` (0.1), `kl_ctrl.horizon` (10000).
+The KL controller updates a float32 scalar `beta` that lives in the train state:
+`beta = kl_ctrl_init(algorithm)` (= kl_ctrl.kl_coef), then each step `beta = update(beta,
+current_kl, n_steps)` with `update = make_kl_controller(algorithm)`, `current_kl` from
+`apply_kl_penalty`'s metrics and n_steps = the batch size (rows), as verl does. `algorithm` is the
+config section; `kl_ctrl.type` picks the controller (KL_CONTROLLERS: fixed | adaptive), whose
+parameters (`kl_ctrl.target_kl`, `kl_ctrl.horizon`) are bound once; defaults in jrl.config.
 """
 
+import functools
 from typing import Callable
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import lookup, masked_mean, positive_field, registrar, zero_masked
+from jrl.algos import check_positive, masked_mean, zero_masked
+from jrl.registry import Registry
 
-KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {}
-_register = registrar(KL_ESTIMATORS, "KL kind")
+KL_ESTIMATORS = Registry("KL kind")  # name -> fn(logprob, ref_logprob) -> per-token estimate
+_register = KL_ESTIMATORS.register
 
 
 def kl_kinds() -> list[str]:
     """Sorted names accepted by `kl_penalty` (aliases included)."""
-    return sorted(KL_ESTIMATORS)
+    return KL_ESTIMATORS.names()
 
 
 @_register("kl", "k1")
@@ -70,12 +73,12 @@ def _straight_through(forward):
 
 
 for _name, _fn in list(KL_ESTIMATORS.items()):
-    KL_ESTIMATORS[_name + "+"] = _fn if _fn is _k2 else _straight_through(_fn)
+    KL_ESTIMATORS.add(_name + "+", _fn if _fn is _k2 else _straight_through(_fn))
 
 
 def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array, kind: str) -> jax.Array:
     """Per-token estimate of KL(pi || ref), same shape as the inputs; `kind` is static."""
-    estimator = lookup(KL_ESTIMATORS, kind, "KL kind")
+    estimator = KL_ESTIMATORS.get(kind)
     chex.assert_equal_shape([logprob, ref_logprob])
     return estimator(jnp.asarray(logprob, jnp.float32), jnp.asarray(ref_logprob, jnp.float32))
 
@@ -85,7 +88,7 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
 
     Returns (token_level_rewards, metrics). Rewards are 0 where mask == 0 (inputs there are
     ignored). metrics: `actor/reward_kl_penalty` = mean over rows of the row's masked-mean KL (verl's
-    current_kl, to feed `kl_ctrl_update`), `actor/reward_kl_penalty_coeff` = the beta used.
+    current_kl, to feed the KL controller), `actor/reward_kl_penalty_coeff` = the beta used.
     """
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_equal_shape([token_level_scores, old_log_prob, ref_log_prob, mask])
@@ -101,41 +104,50 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
 
 # ----------------------------------------------------------------------------- controllers
 
+# name -> (fn(beta, current_kl, n_steps, **params) -> next beta, params(kl_ctrl) -> dict)
+KL_CONTROLLERS = Registry("KL controller")
 
-def _fixed_update(beta, current_kl, n_steps, ctrl):
+
+def _fixed_update(beta, current_kl, n_steps):
     """Fixed controller: beta never changes."""
-    del current_kl, n_steps, ctrl
+    del current_kl, n_steps
     return beta
 
 
-def _adaptive_update(beta, current_kl, n_steps, ctrl):
+def _adaptive_update(beta, current_kl, n_steps, *, target_kl, horizon):
     """Adaptive controller (Ziegler et al. 2019, arXiv:1909.08593):
     e = clip(current_kl / target_kl - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon)."""
-    error = jnp.clip(current_kl / ctrl.get("target_kl", 0.1) - 1.0, -0.2, 0.2)
-    return beta * (1.0 + error * n_steps / ctrl.get("horizon", 10000))
+    error = jnp.clip(current_kl / target_kl - 1.0, -0.2, 0.2)
+    return beta * (1.0 + error * n_steps / horizon)
 
 
-KL_CONTROLLERS = {"fixed": _fixed_update, "adaptive": _adaptive_update}
+KL_CONTROLLERS.add("fixed", (_fixed_update, lambda ctrl: {}))
+KL_CONTROLLERS.add(
+    "adaptive",
+    (
+        _adaptive_update,
+        lambda ctrl: {
+            "target_kl": check_positive("kl_ctrl.target_kl", ctrl.target_kl),
+            "horizon": check_positive("kl_ctrl.horizon", ctrl.horizon),
+        },
+    ),
+)
 
 
-def _kl_ctrl_section(config):
-    """The validated `kl_ctrl` sub-section of the algorithm config (an empty dict when absent)."""
-    ctrl = config.get("kl_ctrl", None) or {}
-    if lookup(KL_CONTROLLERS, ctrl.get("type", "fixed"), "kl_ctrl.type") is _adaptive_update:
-        positive_field(ctrl, "horizon", 10000)
-        positive_field(ctrl, "target_kl", 0.1)
-    return ctrl
+def make_kl_controller(algorithm) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """`update(kl_coef, current_kl, n_steps) -> next kl_coef` (float32, jittable) of the controller
+    `algorithm.kl_ctrl.type`, its parameters bound (and validated) from `algorithm.kl_ctrl`."""
+    ctrl = algorithm.kl_ctrl
+    update, bind = KL_CONTROLLERS.get(ctrl.type)
+    step = functools.partial(update, **bind(ctrl))
+
+    def controller(kl_coef, current_kl, n_steps):
+        return jnp.asarray(step(jnp.asarray(kl_coef, jnp.float32), current_kl, n_steps), jnp.float32)
+
+    return controller
 
 
-def kl_ctrl_init(config) -> jax.Array:
-    """Initial beta = kl_ctrl.kl_coef (default 0.001) as a float32 scalar; validates kl_ctrl."""
-    return jnp.asarray(_kl_ctrl_section(config).get("kl_coef", 0.001), jnp.float32)
-
-
-def kl_ctrl_update(beta, current_kl, n_steps, config) -> jax.Array:
-    """Next beta after a step that saw `current_kl` over `n_steps` rows (jittable)."""
-    ctrl = _kl_ctrl_section(config)
-    update = KL_CONTROLLERS[ctrl.get("type", "fixed")]
-    return jnp.asarray(
-        update(jnp.asarray(beta, jnp.float32), current_kl, n_steps, ctrl), jnp.float32
-    )
+def kl_ctrl_init(algorithm) -> jax.Array:
+    """Initial beta = algorithm.kl_ctrl.kl_coef as a float32 scalar; validates kl_ctrl."""
+    make_kl_controller(algorithm)
+    return jnp.asarray(algorithm.kl_ctrl.kl_coef, jnp.float32)

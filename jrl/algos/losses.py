@@ -6,8 +6,9 @@ prompt, y_1..y_t), `advantages[:, t]` belongs to that action. Write
 
     log_ratio = log_prob - old_log_prob,  ratio = exp(log_ratio),  A = advantages,  m = response_mask.
 
-`policy_loss` zeroes every input where m == 0 before the loss sees it, so garbage on padding never
-reaches the loss, the metrics, or the gradient (d loss / d log_prob is exactly 0 there).
+The function `make_policy_loss` returns zeroes every input where m == 0 before the loss sees it,
+so garbage on padding never reaches the loss, the metrics, or the gradient (d loss / d log_prob is
+exactly 0 there).
 
 Micro-batches (verl 0.9.1's global batch info): `counts` = `batch_counts(mask of the whole
 mini-batch)` makes every aggregate and every metric of a micro-batch its share of the mini-batch's
@@ -22,11 +23,13 @@ Every policy loss returns the same metric keys (verl's names), 0 where a loss ha
   actor/pg_clipfrac_lower  fraction of valid tokens hit by the dual clip (vanilla) / clipped with
                            A < 0 (geo_mean)
 
-The actor config (`config`) fields read, with defaults: clip_ratio (0.2), clip_ratio_low /
-clip_ratio_high (None -> clip_ratio), clip_ratio_c (3.0), loss_scale_factor (None -> T), tau_pos
-(1.0), tau_neg (1.05), clip_cov_ratio (0.0002), clip_cov_lb (1.0), clip_cov_ub (5.0), kl_cov_ratio
-(0.0002), ppo_kl_coef (0.1). verl nests the last five under `actor.policy_loss`; in jrl
-`actor.policy_loss` is the loss name, so they sit directly in the actor section.
+`make_policy_loss(actor, rollout_correction)` binds every loss parameter once
+(`policy_loss_params`) from the actor config section: clip_ratio_low / clip_ratio_high (None ->
+clip_ratio, verl's rule), clip_ratio_c, loss_scale_factor (0 / None -> T), tau_pos, tau_neg,
+clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, dro_beta, and the parsed
+rollout-correction settings (bypass_mode). Defaults and comments: jrl.config.base_config. verl
+nests the clip_cov / kl_cov ones under `actor.policy_loss`; in jrl `actor.policy_loss` is the loss
+name, so they sit directly in the actor section.
 """
 
 import functools
@@ -36,7 +39,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from jrl.algos import EPS_MEAN, lookup, masked_mean, masked_sum, positive_field, registrar, zero_masked
+from jrl.algos import EPS_MEAN, check_positive, masked_mean, masked_sum, rollout_corr, zero_masked
+from jrl.registry import Registry
 
 METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 LOG_RATIO_CLAMP = 20.0  # |log_ratio| bound before exp in vanilla / sapo / cispo
@@ -97,18 +101,21 @@ def _token_sum(loss_mat, loss_mask, loss_scale_factor, counts):
     return masked_sum(loss_mat, loss_mask)
 
 
-AGG_MODES = {
-    "token-mean": _token_mean,
-    "token-sum": _token_sum,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
+AGG_MODES = Registry(
+    "loss_agg_mode",
+    {
+        "token-mean": _token_mean,
+        "token-sum": _token_sum,
+        "seq-mean-token-sum": _seq_mean_token_sum,
+        "seq-mean-token-mean": _seq_mean_token_mean,
+        "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+    },
+)
 
 
 def loss_agg_modes() -> list[str]:
     """Sorted names accepted as `loss_agg_mode`."""
-    return sorted(AGG_MODES)
+    return AGG_MODES.names()
 
 
 def agg_loss(
@@ -123,7 +130,7 @@ def agg_loss(
     (see above).
     Entries where loss_mask == 0 never contribute, whatever their value. `counts`
     (`batch_counts` of the whole mini-batch) normalise a micro-batch's share; None: this batch's."""
-    aggregate = lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
+    aggregate = AGG_MODES.get(loss_agg_mode)
     chex.assert_equal_shape([loss_mat, loss_mask])
     loss_mask = jnp.asarray(loss_mask, jnp.float32)
     counts = batch_counts(loss_mask) if counts is None else counts
@@ -140,49 +147,103 @@ def token_mean(x, mask, counts: Optional[dict] = None):
 # ----------------------------------------------------------------------------- policy losses
 
 PolicyLoss = Callable[..., tuple[jax.Array, dict]]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES = Registry("policy loss")
 
 
 # `@register_policy_loss("name")` on `fn(*, old_log_prob, log_prob, advantages, response_mask,
-# aggregate, mean, counts, config, key, rollout_is_weights) -> (loss, metrics)`:
+# aggregate, mean, counts, key, rollout_is_weights, **params) -> (loss, metrics)`, `params` being
+# those of `policy_loss_params` (name the ones the loss reads, take `**_` for the rest):
 # `aggregate(loss_mat)` multiplies by the rollout-correction IS weights (when given) and applies
 # the caller's loss_agg_mode (`aggregate(loss_mat, mode=...)` another mode,
 # `aggregate(..., weighted=False)` without the weights), `mean(x)` is the masked token mean for
 # metrics, `counts` the mini-batch's `batch_counts`; all three normalise by the whole mini-batch
 # (module doc). Metrics may omit keys of METRIC_KEYS (they are reported as 0); other keys are
 # passed through as a micro-batch's share of their mean over micro-batches (verl averages them).
-register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
+register_policy_loss = POLICY_LOSSES.register
 
 
 def policy_loss_names() -> list[str]:
     """Sorted names of the registered policy losses."""
-    return sorted(POLICY_LOSSES)
+    return POLICY_LOSSES.names()
 
 
-def policy_loss(
-    name: str,
+def policy_loss_params(actor, rollout_correction) -> dict:
+    """Every policy-loss parameter, bound from the `actor` and `algorithm.rollout_correction`
+    config sections (each field must be present; defaults and comments in jrl.config.base_config).
+    clip_ratio_low / clip_ratio_high: the field, or actor.clip_ratio where it is None (verl).
+    rollout_correction: `rollout_corr.settings` of the section when it is enabled, else None."""
+    low, high = actor.clip_ratio_low, actor.clip_ratio_high
+    return {
+        "clip_ratio_low": actor.clip_ratio if low is None else low,
+        "clip_ratio_high": actor.clip_ratio if high is None else high,
+        "clip_ratio_c": actor.clip_ratio_c,
+        "loss_scale_factor": actor.loss_scale_factor or None,  # 0 / None: T
+        "tau_pos": actor.tau_pos,
+        "tau_neg": actor.tau_neg,
+        "clip_cov_ratio": actor.clip_cov_ratio,
+        "clip_cov_lb": actor.clip_cov_lb,
+        "clip_cov_ub": actor.clip_cov_ub,
+        "kl_cov_ratio": actor.kl_cov_ratio,
+        "ppo_kl_coef": actor.ppo_kl_coef,
+        "dro_beta": actor.dro_beta,
+        "rollout_correction": (
+            rollout_corr.settings(rollout_correction) if rollout_correction.enable else None
+        ),
+    }
+
+
+def make_policy_loss(actor, rollout_correction) -> Callable[..., tuple[jax.Array, dict]]:
+    """The policy loss named by `actor.policy_loss`, aggregated with `actor.loss_agg_mode`, every
+    parameter bound from `actor` and `rollout_correction` (cfg.algorithm.rollout_correction):
+
+        fn(old_log_prob, log_prob, advantages, response_mask, *, counts=None,
+           rollout_is_weights=None, key=None) -> (scalar loss, metrics)
+
+    All arrays [B, T]. `counts`: `batch_counts` of the whole mini-batch when this is one of its
+    micro-batches (module doc). `rollout_is_weights` [B, T] (rollout correction, no gradient):
+    every token loss is multiplied by its weight before aggregation (geo_mean: by the row's
+    geometric mean of the weights; bypass_mode computes its own and ignores these), as verl.
+    `key`: a PRNG key, used by `clip_cov` for its random choice of tokens (as verl); losses that
+    need no key ignore it (clip_cov without one is deterministic, see its docstring).
+    """
+    loss_fn = POLICY_LOSSES.get(actor.policy_loss)
+    loss_agg_mode = actor.loss_agg_mode
+    AGG_MODES.get(loss_agg_mode)
+    params = policy_loss_params(actor, rollout_correction)
+
+    def policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, *, counts=None, rollout_is_weights=None, key=None
+    ):
+        return _policy_loss(
+            loss_fn,
+            params,
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            key=key,
+            counts=counts,
+            rollout_is_weights=rollout_is_weights,
+        )
+
+    return policy_loss
+
+
+def _policy_loss(
+    loss_fn,
+    params: dict,
     *,
     old_log_prob: jax.Array,
     log_prob: jax.Array,
     advantages: jax.Array,
     response_mask: jax.Array,
     loss_agg_mode: str,
-    config,
-    key: Optional[jax.Array] = None,
-    counts: Optional[dict] = None,
-    rollout_is_weights: Optional[jax.Array] = None,
+    key: Optional[jax.Array],
+    counts: Optional[dict],
+    rollout_is_weights: Optional[jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(scalar loss, metrics) of the policy loss registered as `name` (static under jit).
-
-    `config` is the actor section. `key` is only used by `clip_cov` (random choice of the tokens
-    to detach, as verl); without it `clip_cov` is deterministic (see its docstring). `counts`:
-    `batch_counts` of the whole mini-batch when this is one of its micro-batches (module doc).
-    `rollout_is_weights` [B, T] (rollout correction, `jrl.algos.rollout_corr`; no gradient):
-    every token loss is multiplied by its weight before aggregation (geo_mean: by the row's
-    geometric mean of the weights; bypass_mode computes its own and ignores these), as verl.
-    """
-    loss_fn = lookup(POLICY_LOSSES, name, "policy loss")
-    lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
+    """(scalar loss, metrics) of `loss_fn` with its bound `params` (see `make_policy_loss`)."""
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_rank(mask, 2)
     chex.assert_equal_shape([mask, old_log_prob, log_prob, advantages])
@@ -195,7 +256,7 @@ def policy_loss(
             zero_masked(jnp.asarray(rollout_is_weights, jnp.float32), mask)
         )
     counts = batch_counts(mask) if counts is None else counts
-    scale_factor = config.get("loss_scale_factor", None) or None  # 0 / None: T
+    scale_factor = params["loss_scale_factor"]
 
     def aggregate(loss_mat, mode=loss_agg_mode, weighted=True, loss_mask=mask):
         if weighted and rollout_is_weights is not None:
@@ -210,9 +271,9 @@ def policy_loss(
         aggregate=aggregate,
         mean=functools.partial(token_mean, mask=mask, counts=counts),
         counts=counts,
-        config=config,
         key=key,
         rollout_is_weights=rollout_is_weights,
+        **params,
     )
     share = mask.shape[0] / counts["rows"]  # this micro-batch's share of the mini-batch's rows
     out = {k: jnp.asarray(metrics.get(k, 0.0), jnp.float32) for k in METRIC_KEYS}
@@ -220,17 +281,8 @@ def policy_loss(
     return loss, jax.lax.stop_gradient(out)
 
 
-def _clip_range(config):
-    """(eps_low, eps_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio (0.2)."""
-    clip_ratio = config.get("clip_ratio", 0.2)
-    low = config.get("clip_ratio_low", None)
-    high = config.get("clip_ratio_high", None)
-    return (clip_ratio if low is None else low), (clip_ratio if high is None else high)
-
-
-def _ppo_clip_terms(advantages, ratio, config):
-    """The two PPO terms l1 = -A * ratio, l2 = -A * clip(ratio, 1 - eps_low, 1 + eps_high)."""
-    low, high = _clip_range(config)
+def _ppo_clip_terms(advantages, ratio, low, high):
+    """The two PPO terms l1 = -A * ratio, l2 = -A * clip(ratio, 1 - low, 1 + high)."""
     return -advantages * ratio, -advantages * jnp.clip(ratio, 1.0 - low, 1.0 + high)
 
 
@@ -240,7 +292,9 @@ def _ppo_kl(log_ratio, mean):
 
 
 @register_policy_loss("vanilla")
-def vanilla(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def vanilla(
+    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+):
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (DAPO,
     arXiv:2503.14476) and dual clip (Ye et al. 2019, arXiv:1912.09729).
 
@@ -248,13 +302,12 @@ def vanilla(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_)
         l1 = -A ratio;  l2 = -A clip(ratio, 1 - eps_low, 1 + eps_high);  c1 = max(l1, l2)
         l3 = -A clip_ratio_c;  loss_t = min(l3, c1) if A < 0 else c1;  aggregated with loss_agg_mode.
     pg_clipfrac = mean_m(l2 > l1); pg_clipfrac_lower = mean_m(c1 > l3 and A < 0).
-    Config: clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c (3.0, must be > 1).
+    Parameters: clip_ratio_low, clip_ratio_high, clip_ratio_c (must be > 1).
     """
-    clip_ratio_c = config.get("clip_ratio_c", 3.0)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}.")
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
+    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
     clipped = jnp.maximum(l1, l2)
     l3 = -advantages * clip_ratio_c
     losses = jnp.where(advantages < 0, jnp.minimum(l3, clipped), clipped)
@@ -266,12 +319,10 @@ def vanilla(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_)
     return aggregate(losses), metrics
 
 
-def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, valid_mask_fn):
+def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, low, high, clip_ratio_c, valid_mask_fn):
     """DPPO's shared body: a TIS-truncated, detached ratio times -A log_prob on the tokens the
     divergence test `valid_mask_fn(log_prob, old_log_prob, eps_low, eps_high) -> (keep if A > 0,
     keep if A <= 0)` keeps."""
-    low, high = _clip_range(config)
-    clip_ratio_c = config.get("clip_ratio_c", 20.0)
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     truncated = jax.lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
@@ -287,7 +338,9 @@ def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, valid_mas
 
 
 @register_policy_loss("dppo_tv")
-def dppo_tv(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def dppo_tv(
+    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+):
     """DPPO-Binary-TV, divergence-constrained PPO (arXiv:2602.04879).
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(min(ratio, clip_ratio_c))  (TIS, no dual clip)
@@ -295,22 +348,26 @@ def dppo_tv(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_)
         loss_t = -A_t w_t log_prob_t keep_t, aggregated with loss_agg_mode
     clip_ratio / clip_ratio_low / clip_ratio_high are total-variation bounds on the token
     probability here, not ratio bounds. pg_clipfrac = mean_m(1 - keep); pg_clipfrac_lower =
-    mean_m(ratio > clip_ratio_c and keep). Config: clip_ratio(_low/_high), clip_ratio_c.
+    mean_m(ratio > clip_ratio_c and keep). Parameters: clip_ratio_low, clip_ratio_high, clip_ratio_c.
     """
 
     def keep(log_prob, old_log_prob, low, high):
         diff = jnp.exp(log_prob) - jnp.exp(old_log_prob)
         return diff <= high, diff >= -low
 
-    return _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, keep)
+    return _dppo(
+        old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, keep
+    )
 
 
 @register_policy_loss("dppo_kl")
-def dppo_kl(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def dppo_kl(
+    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+):
     """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL of the token event
         d_t = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
     keep_t = (d_t <= eps_high or p <= p_old) if A_t > 0 else (d_t <= eps_low or p >= p_old).
-    Config: clip_ratio(_low/_high) (KL bounds here), clip_ratio_c.
+    Parameters: clip_ratio_low, clip_ratio_high (KL bounds here), clip_ratio_c.
     """
 
     def keep(log_prob, old_log_prob, low, high):
@@ -320,15 +377,17 @@ def dppo_kl(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_)
         )
         return (d <= high) | (prob <= old_prob), (d <= low) | (prob >= old_prob)
 
-    return _dppo(old_log_prob, log_prob, advantages, aggregate, mean, config, keep)
+    return _dppo(
+        old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, keep
+    )
 
 
 @register_policy_loss("dro")
-def dro(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def dro(*, old_log_prob, log_prob, advantages, aggregate, mean, dro_beta, **_):
     """Direct reward optimisation with a quadratic log-ratio penalty (Richemond et al. 2024,
     arXiv:2405.19107):  loss_t = -(log_prob_t A_t - 0.5 dro_beta log_ratio_t^2), aggregated with
-    loss_agg_mode. No clipping. Config: dro_beta (> 0, required)."""
-    beta = positive_field(config, "dro_beta", 0.0)
+    loss_agg_mode. No clipping. Parameters: dro_beta (> 0)."""
+    beta = check_positive("dro_beta", dro_beta)
     log_ratio = log_prob - old_log_prob
     losses = -(log_prob * advantages - 0.5 * beta * jnp.square(log_ratio))
     return aggregate(losses), {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
@@ -336,21 +395,34 @@ def dro(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
 
 @register_policy_loss("bypass_mode")
 def bypass_mode(
-    *, old_log_prob, log_prob, advantages, response_mask, aggregate, counts, config, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    aggregate,
+    counts,
+    rollout_correction,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    **_,
 ):
     """Bypass mode of rollout correction (verl 0.9.1): old_log_prob IS the rollout's log-prob (the
     old-log-prob forward is skipped). IS weights and the rejection mask are computed here from
-    sg(log_prob) vs old_log_prob (`jrl.algos.rollout_corr.correct`, settings from
-    config.rollout_correction), then with m' = the rejection-masked response_mask:
+    sg(log_prob) vs old_log_prob (`jrl.algos.rollout_corr.correct` with the parsed
+    `rollout_correction` settings; the section must be enabled), then with m' = the rejection-masked response_mask:
       loss_type ppo_clip:   `vanilla` on m' (its ratio already corrects; no IS weights)
       loss_type reinforce:  loss_t = -A_t log_prob_t w_t on m'; actor/ppo_kl = mean_m'(old - new)
     Aggregation normalises by the mini-batch's counts before rejection (verl's global batch
     info). Metrics also carry rollout_corr/* of the evolving policy (averaged over micro-batches).
     Caller-given rollout_is_weights are ignored.
     """
-    from jrl.algos import rollout_corr  # noqa: PLC0415 (rollout_corr imports nothing from here)
-
-    parsed = rollout_corr.settings(config.get("rollout_correction", None) or {})
+    if rollout_correction is None:
+        raise ValueError(
+            "policy loss 'bypass_mode' needs algorithm.rollout_correction.enable=True (and bypass_mode)."
+        )
+    parsed = rollout_correction
     weights, kept, corr_metrics = rollout_corr.correct(log_prob, old_log_prob, response_mask, parsed)
     share = response_mask.shape[0] / counts["rows"]  # verl averages metrics over micro-batches
     kept_mean = lambda x: masked_mean(x, kept) * share  # noqa: E731
@@ -365,13 +437,17 @@ def bypass_mode(
             advantages=advantages,
             aggregate=lambda x: aggregate(x, weighted=False, loss_mask=kept),
             mean=kept_mean,
-            config=config,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
         )
     return loss, {**metrics, **corr_metrics}
 
 
 @register_policy_loss("gspo")
-def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, **_):
+def gspo(
+    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, clip_ratio_low, clip_ratio_high, **_
+):
     """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
 
         s_b = sum_t(log_ratio * m) / max(|y_b|, 1)          (sequence log-ratio, length-normalised)
@@ -380,7 +456,7 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
     The value of r_t is exp(s_b) on every token; its gradient is r_t d log_prob_t. Aggregated
     with the caller's loss_agg_mode (verl 0.9.1; the paper and older verl use seq-mean-token-mean,
     so set actor.loss_agg_mode=seq-mean-token-mean for the paper's objective).
-    pg_clipfrac = mean_m(l2 > l1). Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    pg_clipfrac = mean_m(l2 > l1). Parameters: clip_ratio_low, clip_ratio_high.
     """
     log_ratio = log_prob - old_log_prob
     lengths = jnp.maximum(jnp.sum(response_mask, axis=-1), 1.0)
@@ -389,7 +465,7 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
         log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
     )
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
-    l1, l2 = _ppo_clip_terms(advantages, ratio, config)
+    l1, l2 = _ppo_clip_terms(advantages, ratio, clip_ratio_low, clip_ratio_high)
     loss = aggregate(jnp.maximum(l1, l2))
     metrics = {
         "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
@@ -400,7 +476,17 @@ def gspo(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, 
 
 @register_policy_loss("geo_mean")
 def geo_mean(
-    *, old_log_prob, log_prob, advantages, response_mask, mean, counts, config, rollout_is_weights, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    mean,
+    counts,
+    rollout_is_weights,
+    clip_ratio_low,
+    clip_ratio_high,
+    **_,
 ):
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
 
@@ -411,9 +497,9 @@ def geo_mean(
     with rollout IS weights w [B, T]: w_b = exp(sum_t(log(w_t + 1e-10) m) / (|y_b| + 1e-8)) (their
     geometric mean over the row); without them w_b = 1.
     pg_clipfrac = mean_m(log_ratio != c and A > 0); pg_clipfrac_lower = same with A < 0.
-    Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    Parameters: clip_ratio_low, clip_ratio_high.
     """
-    low, high = _clip_range(config)
+    low, high = clip_ratio_low, clip_ratio_high
     log_ratio = log_prob - old_log_prob
     clamped = jnp.clip(log_ratio, -low, high)
     sign = jnp.sign(advantages)
@@ -436,32 +522,34 @@ def geo_mean(
 
 
 @register_policy_loss("sapo")
-def sapo(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def sapo(*, old_log_prob, log_prob, advantages, aggregate, mean, tau_pos, tau_neg, **_):
     """SAPO, soft adaptive policy optimisation (arXiv:2511.20347): a smooth sigmoid gate instead of
     a hard clip.
 
         ratio = exp(clip(log_ratio, -20, 20));  tau_t = tau_pos if A_t > 0 else tau_neg
         loss_t = -A_t * sigmoid(tau_t (ratio_t - 1)) * 4 / tau_t
     Always aggregated with seq-mean-token-mean (loss_agg_mode is ignored, as in verl).
-    No clip fractions (reported 0). Config: tau_pos (1.0), tau_neg (1.05).
+    No clip fractions (reported 0). Parameters: tau_pos, tau_neg.
     """
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    tau = jnp.where(advantages > 0, config.get("tau_pos", 1.0), config.get("tau_neg", 1.05))
+    tau = jnp.where(advantages > 0, tau_pos, tau_neg)
     gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * (4.0 / tau)
     loss = aggregate(-gate * advantages, mode="seq-mean-token-mean")
     return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
 
 
 @register_policy_loss("cispo")
-def cispo(*, old_log_prob, log_prob, advantages, aggregate, mean, config, **_):
+def cispo(
+    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, **_
+):
     """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585).
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(clip(ratio, 1 - eps_low, 1 + eps_high))
         loss_t = -w A_t log_prob_t, aggregated with loss_agg_mode
     Every token keeps a gradient (w is a constant weight). pg_clipfrac = mean_m(ratio != clip(ratio)).
-    Config: clip_ratio, clip_ratio_low, clip_ratio_high.
+    Parameters: clip_ratio_low, clip_ratio_high.
     """
-    low, high = _clip_range(config)
+    low, high = clip_ratio_low, clip_ratio_high
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     weight = jnp.clip(ratio, 1.0 - low, 1.0 + high)
@@ -500,7 +588,20 @@ def _covariance(advantages, log_prob, mask, mean):
 
 @register_policy_loss("clip_cov")
 def clip_cov(
-    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, key, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    aggregate,
+    mean,
+    key,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_cov_ratio,
+    clip_cov_lb,
+    clip_cov_ub,
+    **_,
 ):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617).
 
@@ -512,19 +613,19 @@ def clip_cov(
     Which candidates: verl draws them uniformly at random (torch.randperm). jrl does the same when
     `key` is given; with key=None it deterministically takes the candidates with the largest
     covariance (ties to the lower position).
-    pg_clipfrac = mean_m(corr == 0). Config: clip_ratio(_low/_high), clip_cov_ratio (0.0002),
-    clip_cov_lb (1.0), clip_cov_ub (5.0).
+    pg_clipfrac = mean_m(corr == 0). Parameters: clip_ratio_low, clip_ratio_high, clip_cov_ratio,
+    clip_cov_lb, clip_cov_ub.
     """
-    ratio_of_tokens = positive_field(config, "clip_cov_ratio", 0.0002)
+    ratio_of_tokens = check_positive("clip_cov_ratio", clip_cov_ratio)
     valid = response_mask != 0
     log_ratio = log_prob - old_log_prob
-    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), config)
+    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
     cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_mean(x, response_mask))
     candidate = (
         valid
         & ~(l2 > l1)
-        & (cov < config.get("clip_cov_ub", 5.0))
-        & (cov > config.get("clip_cov_lb", 1.0))
+        & (cov < clip_cov_ub)
+        & (cov > clip_cov_lb)
     )
     n_clip = jnp.maximum(jnp.floor(ratio_of_tokens * jnp.sum(valid)), 1.0)
     priority = cov if key is None else jax.random.uniform(key, cov.shape)
@@ -538,7 +639,9 @@ def clip_cov(
 
 
 @register_policy_loss("kl_cov")
-def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, config, **_):
+def kl_cov(
+    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, kl_cov_ratio, ppo_kl_coef, **_
+):
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
 
         ratio = exp(log_ratio) (no clamp);  loss_t = -A_t ratio_t, except on the k valid tokens of
@@ -546,9 +649,9 @@ def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean
         gradient), where loss_t = -A_t ratio_t + ppo_kl_coef |log_ratio_t|;
         k = max(floor(kl_cov_ratio * #valid tokens), 1) (0 if there are none).
     Deterministic top-k; ties go to the lower position. Note: actor/ppo_kl is masked_mean(|log_ratio|)
-    here, as verl reports it. Config: kl_cov_ratio (0.0002), ppo_kl_coef (0.1).
+    here, as verl reports it. Parameters: kl_cov_ratio, ppo_kl_coef.
     """
-    ratio_of_tokens = positive_field(config, "kl_cov_ratio", 0.0002)
+    ratio_of_tokens = check_positive("kl_cov_ratio", kl_cov_ratio)
     valid = response_mask != 0
     n_valid = jnp.sum(valid)
     log_ratio = log_prob - old_log_prob
@@ -562,7 +665,7 @@ def kl_cov(*, old_log_prob, log_prob, advantages, response_mask, aggregate, mean
     )
     k = jnp.maximum(jnp.floor(ratio_of_tokens * n_valid), 1.0)
     penalised = valid & _top_ranked(jnp.where(valid, cov, -jnp.inf), k)
-    losses = jnp.where(penalised, l1 + config.get("ppo_kl_coef", 0.1) * abs_kl, l1)
+    losses = jnp.where(penalised, l1 + ppo_kl_coef * abs_kl, l1)
     return aggregate(losses), {"actor/ppo_kl": mean(abs_kl)}
 
 

@@ -102,21 +102,22 @@ def parse_rs(options: str, spec) -> dict[str, tuple[Optional[float], float]]:
 
 
 def settings(rc) -> dict[str, Any]:
-    """The parsed `rollout_correction` config section (raises ValueError naming a bad field)."""
-    level = rc.get("rollout_is", "") or ""
+    """The parsed `rollout_correction` config section (raises ValueError naming a bad field). Every
+    field read must be present (defaults: jrl.config.base_config)."""
+    level = rc["rollout_is"] or ""
     if level and level not in IS_LEVELS:
         raise ValueError(f"rollout_is={level!r} is unknown; valid: token, sequence, '' (off).")
-    upper, lower = parse_is_threshold(rc.get("rollout_is_threshold", "2.0"))
-    rs = rc.get("rollout_rs", "") or ""
-    loss_type = rc.get("loss_type", "ppo_clip")
+    upper, lower = parse_is_threshold(rc["rollout_is_threshold"])
+    rs = rc["rollout_rs"] or ""
+    loss_type = rc["loss_type"]
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is unknown; valid: {', '.join(LOSS_TYPES)}.")
     return {
         "level": level,
         "upper": upper,
         "lower": lower,
-        "batch_normalize": bool(rc.get("rollout_is_batch_normalize", False)),
-        "rs": parse_rs(rs, rc.get("rollout_rs_threshold", "")) if rs else {},
+        "batch_normalize": bool(rc["rollout_is_batch_normalize"]),
+        "rs": parse_rs(rs, rc["rollout_rs_threshold"]) if rs else {},
         "loss_type": loss_type,
     }
 
