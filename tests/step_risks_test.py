@@ -82,3 +82,25 @@ def test_schedule_count_reads_the_learning_rate_schedules_count():
         _, opt_state = tx.update({"w": jnp.ones(3)}, opt_state, params)
     assert int(step_lib.schedule_count(opt_state)) == 3
     assert isinstance(optax.ScaleByScheduleState(count=jnp.int32(0)), optax.ScaleByScheduleState)
+
+
+def test_the_update_gives_clip_cov_its_random_choice_of_tokens():
+    """clip_cov detaches n_clip = 0.25 * 32 = 8 of its candidate tokens, chosen at random (verl)
+    when the step passes its key: two micro-batch keys pick different tokens, so the policy
+    terms differ; the same key gives the same terms. (The step passed no key, so the choice was
+    the deterministic top-covariance one whatever the key.)"""
+    cfg = grpo_math.get_config("tiny")
+    cfg.actor.policy_loss = "clip_cov"
+    cfg.actor.clip_cov_ratio = 0.25
+    cfg.actor.clip_cov_lb, cfg.actor.clip_cov_ub = -1e9, 1e9  # every token is a candidate
+    spec = step_lib.make_spec(cfg, None, None, eos_id=1, pad_id=0, max_new_tokens=8)
+    rng = np.random.default_rng(0)
+    mask = jnp.ones((4, 8), jnp.float32)
+    out = {"log_prob": jnp.asarray(rng.normal(size=(4, 8)) - 2.0, jnp.float32)}
+    out["entropy"] = jnp.zeros((4, 8))
+    mb = {"response_mask": mask, "advantages": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)}
+    mb["old_log_prob"] = out["log_prob"] + 0.01 * jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    counts = step_lib.losses.batch_counts(mask)
+    terms = lambda key: step_lib.policy_terms(spec, out, mb, counts, jax.random.key(key))[0]
+    assert float(terms(1)) == float(terms(1))
+    assert len({float(terms(k)) for k in range(4)}) > 1
