@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import sharding, train
+from jrl import sharding, trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 
@@ -64,7 +64,7 @@ def test_train_state_from_donated_params():
     cfg = grpo_math.get_config("tiny")
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
-    _, _, _, model_cfg = train.build(cfg)
+    _, _, _, model_cfg = trainer.build(cfg)
     mesh = sharding.make_mesh(shape=(2, 2, 2))
     init = lambda p: step_lib.init_state(cfg, model_cfg, p, jax.random.key(1))
     host = jax.device_get(transformer.init_params(model_cfg, jax.random.key(0)))
