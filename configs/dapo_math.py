@@ -4,7 +4,8 @@ Run:
   python -m jrl.train --config=configs/dapo_math.py --workdir=/tmp/jrl/dapo_math
   python -m jrl.train --config=configs/dapo_math.py:tiny   # seconds-long smoke run
 
-Starts from jrl.config.math_base (GRPO on math: same model, warm-up, batch sizes); fields in jrl/config.py.
+Starts from jrl.config.math_base (GRPO on math: same model, warm-up, batch sizes); fields in
+jrl/config.py.
 Dynamic sampling runs inside the jitted step: each step the host hands over
 `max_num_gen_batches` x `train_batch_size` prompts and the step keeps drawing generation rounds
 from them until `train_batch_size` groups whose rewards differ are found.

@@ -4,7 +4,8 @@ Run:
   python -m jrl.train --config=configs/group_ppo_math.py --workdir=/tmp/jrl/group_ppo_math
   python -m jrl.train --config=configs/group_ppo_math.py:tiny   # seconds-long smoke run
 
-Starts from jrl.config.ppo_math_base (PPO on math: same model, warm-up, critic); fields in jrl/config.py.
+Starts from jrl.config.ppo_math_base (PPO on math: same model, warm-up, critic); fields in
+jrl/config.py.
 """
 
 from jrl import config as config_lib

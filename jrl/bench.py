@@ -13,8 +13,8 @@ work per step does not depend on what the random model samples.
 
 Reported: compile time of the fused step, steady-state seconds per step (median of `--steps`
 steps after compile), tokens/s (generated tokens, and prompt + generated), and the split of a step
-into rollout + reward / log-probs + advantages / update, timed by jitting the same three phase functions
-(`jrl.step.make_phases`) separately.
+into rollout + reward / log-probs + advantages / update, timed by jitting the same three phase
+functions (`jrl.step.make_phases`) separately.
 
 `--memory` compiles (never runs) the fused step of a config on the current devices and its mesh
 with abstract inputs (no parameter is allocated) and reports XLA's compile-time memory analysis per
@@ -34,7 +34,9 @@ from jrl import benchmark, cli
 from jrl import config as config_lib
 
 _CONFIG = cli.define_config(" With --memory: the config whose step is compiled.")
-_WORKLOAD = flags.DEFINE_enum("workload", "W1", sorted(benchmark.WORKLOADS), "Which fixed workload to run.")
+_WORKLOAD = flags.DEFINE_enum(
+    "workload", "W1", sorted(benchmark.WORKLOADS), "Which fixed workload to run."
+)
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps after compilation (median reported).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _MEMORY = flags.DEFINE_bool(
@@ -43,7 +45,6 @@ _MEMORY = flags.DEFINE_bool(
     "Compile (never run) the fused step of --config on the current devices and report XLA's "
     "memory analysis per device instead of timing a workload.",
 )
-
 
 
 def main(argv):
@@ -56,7 +57,11 @@ def main(argv):
             result = benchmark.memory_report(cfg)
         except config_lib.ConfigError as e:
             cli.fail(str(e))
-        print(json.dumps(result) if _JSON.value else "\n".join(f"{k:<28} {v}" for k, v in result.items()))
+        print(
+            json.dumps(result)
+            if _JSON.value
+            else "\n".join(f"{k:<28} {v}" for k, v in result.items())
+        )
         return
     result = benchmark.run(_WORKLOAD.value, _STEPS.value)
     if _JSON.value:

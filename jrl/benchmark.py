@@ -2,7 +2,6 @@
 phases, `memory_report(cfg)` compiles a config's step and reads XLA's memory analysis. The
 command line and what is reported: jrl/bench.py."""
 
-
 from __future__ import annotations
 
 import statistics
@@ -38,6 +37,7 @@ WORKLOADS = {
         new_tokens=64,
     ),
 }
+
 
 def workload_config(name: str):
     w = WORKLOADS[name]
@@ -143,12 +143,16 @@ def memory_report(cfg) -> dict:
     t = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step_fn.lower(
-            abstract_in(abstract, state_sh), abstract_in(batch, jax.tree.map(lambda _: batch_sh, batch))
+            abstract_in(abstract, state_sh),
+            abstract_in(batch, jax.tree.map(lambda _: batch_sh, batch)),
         ).compile()
     compile_s = time.perf_counter() - t
     m = compiled.memory_analysis()
     argument, output, alias, temp = (
-        m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.alias_size_in_bytes,
+        m.temp_size_in_bytes,
     )
     peak = argument + output - alias + temp
     prompts = step_lib.prompts_per_step(cfg)

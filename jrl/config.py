@@ -28,9 +28,7 @@ from jrl.registry import Registry, suggest
 
 MODEL_DTYPES = ("float32", "bfloat16")
 # Estimators that compare samples of the same prompt: they need rollout.n >= 2.
-GROUP_ESTIMATORS = tuple(
-    name for name in advantages.names() if "index" in advantages.needs(name)
-)
+GROUP_ESTIMATORS = tuple(name for name in advantages.names() if "index" in advantages.needs(name))
 
 
 class ConfigError(ValueError):
@@ -44,7 +42,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_every = (
         25  # greedy eval every K steps (and always at the start and the end); 0: only those
     )
-    c.eval_samples = 4  # greedy eval answers kept per eval, at most the eval set (samples.jsonl, tensorboard text)
+    # greedy eval answers kept per eval, at most the eval set (samples.jsonl, tensorboard text)
+    c.eval_samples = 4
 
     c.model = ml_collections.ConfigDict()
     c.model.hf_path = (
@@ -68,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # master-weight dtype
     # Memory at long lengths (they change how the step is computed, not what):
     c.model.remat = "none"  # recompute in the backward: none | block (each decoder block) | dots
-    c.model.attention = "auto"  # auto | xla | blockwise | cudnn (GPU) | splash (TPU); see attention.py
+    c.model.attention = (
+        "auto"  # auto | xla | blockwise | cudnn (GPU) | splash (TPU); see attention.py
+    )
     c.model.attention_block_size = 512  # query positions per block of blockwise attention
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
 
@@ -143,7 +144,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.actor.kl_cov_ratio = 0.0002  # kl_cov: fraction of tokens given the KL penalty
     c.actor.ppo_kl_coef = 0.1  # kl_cov: weight of that penalty
     c.actor.dro_beta = 0.0  # dro: weight of the quadratic log-ratio penalty (must be > 0 for dro)
-    c.actor.loss_agg_mode = "token-mean"  # jrl.algos.losses.AGG_MODES: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    # jrl.algos.losses.AGG_MODES: token-mean | token-sum | seq-mean-token-sum |
+    # seq-mean-token-mean | seq-mean-token-sum-norm
+    c.actor.loss_agg_mode = "token-mean"
     c.actor.use_kl_loss = False  # add kl_loss_coef * KL(pi || ref) to the loss
     c.actor.kl_loss_coef = 0.001  # weight of the KL loss
     c.actor.kl_loss_type = (
@@ -160,7 +163,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.use_kl_in_reward = False  # subtract beta * KL(old || ref) from the token rewards
     c.algorithm.kl_penalty = "kl"  # KL estimator in the reward: kl | abs | mse | low_var_kl
     c.algorithm.kl_ctrl = ml_collections.ConfigDict()
-    c.algorithm.kl_ctrl.type = "fixed"  # beta controller (jrl.algos.kl.KL_CONTROLLERS): fixed | adaptive
+    c.algorithm.kl_ctrl.type = (
+        "fixed"  # beta controller (jrl.algos.kl.KL_CONTROLLERS): fixed | adaptive
+    )
     c.algorithm.kl_ctrl.kl_coef = 0.001  # initial beta
     c.algorithm.kl_ctrl.target_kl = 0.1  # adaptive: the KL beta steers towards
     c.algorithm.kl_ctrl.horizon = 10000  # adaptive: responses over which beta adapts
@@ -169,7 +174,9 @@ def base_config() -> ml_collections.ConfigDict:
     # rejection between the rollout's own log-probs and the trainer's recomputed ones.
     c.algorithm.rollout_correction = ml_collections.ConfigDict()
     c.algorithm.rollout_correction.enable = False  # verl: rollout_correction set (not None)
-    c.algorithm.rollout_correction.rollout_is = "sequence"  # IS weight level: token | sequence | "" (off)
+    c.algorithm.rollout_correction.rollout_is = (
+        "sequence"  # IS weight level: token | sequence | "" (off)
+    )
     c.algorithm.rollout_correction.rollout_is_threshold = (
         "2.0"  # "U": truncate weights at U (TIS); "L_U": zero weights outside [L, U] (IcePop)
     )
@@ -180,10 +187,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.algorithm.rollout_correction.rollout_rs_threshold = (
         ""  # one bound shared, or one per option ("L_U" ratio bounds for *_k1)
     )
-    c.algorithm.rollout_correction.bypass_mode = (
-        False  # True: old log-probs = the rollout's (no old forward); needs actor.policy_loss=bypass_mode
+    # True: old log-probs = the rollout's (no old forward); needs actor.policy_loss=bypass_mode
+    c.algorithm.rollout_correction.bypass_mode = False
+    c.algorithm.rollout_correction.loss_type = (
+        "ppo_clip"  # bypass_mode's loss: ppo_clip | reinforce
     )
-    c.algorithm.rollout_correction.loss_type = "ppo_clip"  # bypass_mode's loss: ppo_clip | reinforce
 
     c.algorithm.group_params = ml_collections.ConfigDict()  # GROUP-PPO (docs/algorithms.md)
     c.algorithm.group_params.group_variance_threshold = (
@@ -277,6 +285,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 # ----------------------------------------------------------------------------- math configs
 # What the files in configs/ share (each file imports only ml_collections and jrl.config).
+
 
 def math_base(arg: str | None = None, config_file: str = "configs/grpo_math.py"):
     """GRPO on math (configs/grpo_math.py), the base every configs/*_math.py file starts from:
@@ -544,8 +553,7 @@ def _choice(field: str, value, valid) -> None:
     valid = sorted(valid)
     if value not in valid:
         raise ConfigError(
-            f"{field}='{value}' is unknown{suggest(value, valid)}; valid names: "
-            f"{', '.join(valid)}."
+            f"{field}='{value}' is unknown{suggest(value, valid)}; valid names: {', '.join(valid)}."
         )
 
 

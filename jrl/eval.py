@@ -19,8 +19,8 @@ to DIR's tensorboard events at global step N (a new event file per evaluation; t
 with k as a number and "@" as "_", which tensorboard tags cannot hold: `eval/greedy_accuracy`,
 `eval/mean_4`, `eval/pass_4`) and printed as one JSON line. The config defaults to the one the
 checkpoint was written with; `--config` (with `--config.a.b=v` overrides) replaces it, e.g. to
-evaluate on other eval files. `--show=N` first prints the greedy answers to the first N eval prompts,
-one line each (`reward R | 'prompt' -> 'completion'`).
+evaluate on other eval files. `--show=N` first prints the greedy answers to the first N eval
+prompts, one line each (`reward R | 'prompt' -> 'completion'`).
 
 Exit status: 0 done; 2 bad arguments (a workdir without checkpoints, a step that is not saved,
 k < 1, a negative temperature, ...), with a one-line message on stderr.

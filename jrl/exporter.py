@@ -22,6 +22,7 @@ from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
+
 class ExportError(ValueError):
     """A workdir, step or output directory that cannot be used; the message names the fix."""
 

@@ -25,7 +25,7 @@ class UnknownName(ValueError):
 
 
 def suggest(value: Any, valid: Iterable[str]) -> str:
-    """" (did you mean 'x'?)" for the closest of `valid` to `value`, or ""."""
+    """ " (did you mean 'x'?)" for the closest of `valid` to `value`, or ""."""
     close = difflib.get_close_matches(str(value), list(valid), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

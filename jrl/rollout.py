@@ -1,8 +1,9 @@
 """Rollout: jitted prefill + KV-cache decode with temperature / top-k / top-p and per-row EOS stop.
 
-Layout (docs/design.md#padding-and-cache-slots): prompts are left-padded to P, responses right-padded to R. The cache has P + R
-slots; prompt token j sits in slot j, response token t in slot P + t. Position ids skip the left
-padding, so a row's tokens are numbered 0, 1, 2, ... whatever its padding.
+Layout (docs/design.md#padding-and-cache-slots): prompts are left-padded to P, responses
+right-padded to R. The cache has P + R slots; prompt token j sits in slot j, response token t in
+slot P + t. Position ids skip the left padding, so a row's tokens are numbered 0, 1, 2, ...
+whatever its padding.
 
 `response_mask[:, t]` is 1 up to and including the first EOS and 0 after it; `log_probs[:, t]` is
 log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k / top-p filtered) policy, the

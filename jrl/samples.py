@@ -52,7 +52,9 @@ def _cell(text: str) -> str:
 def markdown(rows: list[dict]) -> str:
     """A markdown table of `rows` (tensorboard renders text summaries as markdown)."""
     lines = ["| prompt | completion | reward |", "|---|---|---|"]
-    lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']:g} |" for r in rows]
+    lines += [
+        f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']:g} |" for r in rows
+    ]
     return "\n".join(lines)
 
 

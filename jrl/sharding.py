@@ -18,9 +18,9 @@ dimension keeps the longest prefix of its mesh axes whose size divides it, down 
 replicated along that dimension instead of failing the whole run. A mesh axis is used at most
 once per array: a later dimension mapped to an axis already taken is replicated.
 
-Sharded init (docs/design.md#sharding-and-initialisation): `jax.eval_shape(init)` -> `state_shardings` ->
-`sharded_init(init, mesh, shardings)` (= `jax.jit(init, out_shardings=...)`), so the full
-parameters never sit on one host.
+Sharded init (docs/design.md#sharding-and-initialisation): `jax.eval_shape(init)` ->
+`state_shardings` -> `sharded_init(init, mesh, shardings)` (= `jax.jit(init, out_shardings=...)`),
+so the full parameters never sit on one host.
 """
 
 from __future__ import annotations

@@ -414,7 +414,9 @@ def micro_batch_counts(cfg: ml_collections.ConfigDict, mesh=None) -> dict[str, i
     counts = {}
     for name, (field, rows) in sizes.items():
         size = cfg[field.split(".")[0]][field.split(".")[1]]
-        per_device = rows if mesh is None else sharding.batch_sharding(mesh, rows).shard_shape((rows,))[0]
+        per_device = (
+            rows if mesh is None else sharding.batch_sharding(mesh, rows).shard_shape((rows,))[0]
+        )
         if size < 0 or (size and per_device % size):
             raise config_lib.ConfigError(
                 f"{field}={size} does not divide the {per_device} rows each device holds "
@@ -835,14 +837,27 @@ def update_minibatch(spec: StepSpec, carry, xs):
     counts = mini_batch_counts(spec, mb)
     base = state.ref_params if lora_on(spec.cfg) else None
     grads, metrics = accumulate_grads(
-        actor_loss, state.params, mb, spec.micro["actor"], spec, counts, base, actor_on,
+        actor_loss,
+        state.params,
+        mb,
+        spec.micro["actor"],
+        spec,
+        counts,
+        base,
+        actor_on,
         key=actor_key,
     )
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
     if spec.use_critic and not spec.shared:
         critic_grads, critic_metrics = accumulate_grads(
-            critic_loss, state.critic_params, mb, spec.micro["critic"], spec, counts, base,
+            critic_loss,
+            state.critic_params,
+            mb,
+            spec.micro["critic"],
+            spec,
+            counts,
+            base,
             key=critic_key,
         )
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
@@ -890,12 +905,19 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     return state, jax.tree_util.tree_map(jnp.mean, metrics)
 
 
-def make_phases(cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None):
+def make_phases(
+    cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None
+):
     """The three phases bound to the config's `StepSpec` (`make_spec` takes these arguments):
     (generate, compute_advantages, update). The fused step chains them; the benchmark jits them
     one by one to time each."""
     spec = make_spec(
-        cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        cfg,
+        model_cfg,
+        reward_fn,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        max_new_tokens=max_new_tokens,
         mesh=mesh,
     )
     return tuple(functools.partial(f, spec) for f in (generate, compute_advantages, update))
@@ -945,11 +967,18 @@ def rl_step(spec: StepSpec, state: TrainState, prompts: Batch):
     return new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key), metrics
 
 
-def make_step(cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None):
+def make_step(
+    cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None
+):
     """`step(state, prompts) -> (state, metrics)`, one function for `jax.jit`; `prompts` holds
     `prompts_per_step(cfg)` rows of the task batch. The arguments are `make_spec`'s."""
     spec = make_spec(
-        cfg, model_cfg, reward_fn, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        cfg,
+        model_cfg,
+        reward_fn,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        max_new_tokens=max_new_tokens,
         mesh=mesh,
     )
     return functools.partial(rl_step, spec)

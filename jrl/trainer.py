@@ -34,6 +34,7 @@ from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
+
 def init_distributed(
     distributed: bool = False,
     coordinator_address: str | None = None,
@@ -365,7 +366,12 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     saving = ("save", "maybe_save", "wait", "close")  # a failed save: WriteError, exit 4
     ckpt = workdir_lib.Guarded(ckpt, ckpt.directory, saving)
     step_fn, abstract, state_sh, batch_sh = jit_step(
-        cfg, model_cfg, reward_fn, ids, mesh, lambda: init(transformer.init_params(model_cfg, key_init))
+        cfg,
+        model_cfg,
+        reward_fn,
+        ids,
+        mesh,
+        lambda: init(transformer.init_params(model_cfg, key_init)),
     )
     num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)

@@ -265,7 +265,8 @@ class GcsLease:
     def _write(self, if_generation_match: int) -> None:
         self._record["renewed"] = time.time()
         self._blob.upload_from_string(
-            json.dumps(self._record), content_type="application/json",
+            json.dumps(self._record),
+            content_type="application/json",
             if_generation_match=if_generation_match,
         )
         self.generation = self._blob.generation
@@ -304,8 +305,10 @@ class GcsLease:
                     raise self._busy(holder, 0.0) from None
                 raise
             logging.warning(
-                "Took over the lease %s of %s, not renewed for %.0fs.", self.path,
-                _describe(holder), age,
+                "Took over the lease %s of %s, not renewed for %.0fs.",
+                self.path,
+                _describe(holder),
+                age,
             )
             break
         else:

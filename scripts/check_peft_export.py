@@ -63,7 +63,11 @@ def jrl_stage(out: str) -> None:
     # Large random adapters (B is no longer near zero) in the same format.
     leaves, tree = jax.tree.flatten(trained["lora"])
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    big = {"lora": jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])}
+    big = {
+        "lora": jax.tree.unflatten(
+            tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+        )
+    }
     lora.save_peft(os.path.join(out, "adapter_random"), big, cfg.lora, base_dir)
 
     ids = jnp.asarray(IDS, jnp.int32)
@@ -96,7 +100,9 @@ def peft_stage(out: str) -> None:
     ).eval()
     report, worst = {}, 0.0
     report["base (transformers)"] = np.abs(hf_logits(load("base")) - want["base"]).max()
-    report["merged export (transformers)"] = np.abs(hf_logits(load("merged")) - want["adapter"]).max()
+    report["merged export (transformers)"] = np.abs(
+        hf_logits(load("merged")) - want["adapter"]
+    ).max()
     for name in ("adapter", "adapter_random"):
         model = peft.PeftModel.from_pretrained(load("base"), os.path.join(out, name)).eval()
         loaded_b = [p for n, p in model.named_parameters() if "lora_B" in n]

@@ -105,7 +105,8 @@ def inputs():
 
 
 def randomize(model, seed: int, gemma: bool):
-    """Every weight ~ N(0, 0.3^2); norm weights around 1 (around 0 for Gemma's 1 + w), bf16-exact."""
+    """Every weight ~ N(0, 0.3^2); norm weights around 1 (around 0 for Gemma's 1 + w),
+    bf16-exact."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

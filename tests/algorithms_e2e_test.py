@@ -77,7 +77,11 @@ def _rollout_correction(cfg, kind):
         rc.rollout_is, rc.rollout_is_threshold = kind, "2.0" if kind == "token" else "0.5_2.0"
         rc.rollout_is_batch_normalize = kind == "token"
     elif kind == "rejection":  # no IS weights: token and sequence rejection only
-        rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold = "", "token_k1,seq_mean_k3", "1.5,0.5"
+        rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold = (
+            "",
+            "token_k1,seq_mean_k3",
+            "1.5,0.5",
+        )
     elif kind == "bypass":
         rc.bypass_mode, rc.loss_type, rc.rollout_is = True, "reinforce", "token"
         rc.rollout_rs, rc.rollout_rs_threshold = "token_k3", "1.0"

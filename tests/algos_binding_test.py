@@ -83,7 +83,9 @@ def test_clip_cov_key_picks_random_tokens_of_the_right_count():
     mask = np.ones((4, 8), np.float32)
     mask[1, 6:] = 0  # 30 valid tokens
     old = rng.uniform(-2.0, -0.5, mask.shape).astype(np.float32)
-    adv = (rng.choice([-1.0, 1.0], mask.shape) * rng.uniform(0.5, 1.5, mask.shape)).astype(np.float32)
+    adv = (rng.choice([-1.0, 1.0], mask.shape) * rng.uniform(0.5, 1.5, mask.shape)).astype(
+        np.float32
+    )
     fn = clip_cov_fn(clip_cov_ratio=0.25, clip_cov_lb=-100.0, clip_cov_ub=100.0)
     n_clip = int(0.25 * 30)  # 7
     picks = []

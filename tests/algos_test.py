@@ -576,7 +576,9 @@ def test_every_loss_reports_the_same_metric_keys():
     old, new, adv, m = random_case(6)
     for name in loss_lib.policy_loss_names():
         _, metrics = run_loss(name, old, new, adv, m)
-        extra = [k for k in metrics if k.startswith("rollout_corr/")] if name == "bypass_mode" else []
+        extra = (
+            [k for k in metrics if k.startswith("rollout_corr/")] if name == "bypass_mode" else []
+        )
         assert sorted(metrics) == sorted(
             ["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"] + extra
         ), name
@@ -595,7 +597,7 @@ def test_policy_loss_registry():
     }
 
 
-# ----------------------------------------------------------------------------- aggregation, value, entropy
+# ---------------------------------------------------------------------- aggregation, value, entropy
 
 AGG_LOSS = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], np.float32)
 AGG_MASK = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], np.float32)
@@ -785,9 +787,7 @@ def test_unknown_names_raise_and_list_valid_names():
     x = jnp.zeros((2, 3))
     cases = [  # (call, the bad name, the names the message must list)
         (
-            lambda: fx.compute(
-                "nope", token_level_rewards=x, response_mask=x, config=algo_cfg()
-            ),
+            lambda: fx.compute("nope", token_level_rewards=x, response_mask=x, config=algo_cfg()),
             "nope",
             adv_lib.names(),
         ),

@@ -107,7 +107,9 @@ def test_rows_markdown_and_lines_of_known_answers():
     mask = (np.arange(ids.shape[1])[None] <= batch["answer_len"][:n, None]).astype(np.int32)
     mask[1, batch["answer_len"][1]] = 0
     found = {"response_ids": ids, "response_mask": mask, "score": np.array([1.0, 0.0])}
-    rest, split = samples.split({"val/accuracy": 0.5, **{f"samples/{k}": v for k, v in found.items()}})
+    rest, split = samples.split(
+        {"val/accuracy": 0.5, **{f"samples/{k}": v for k, v in found.items()}}
+    )
     assert rest == {"val/accuracy": 0.5} and sorted(split) == sorted(found)
     rows = samples.rows(task, batch, split)
     for row, reward, end in zip(rows, (1.0, 0.0), ("<eos>", "")):

@@ -12,8 +12,12 @@ FAULT = ("tests/write_fault.py",)
 def test_full_disk_exits_4_naming_the_path_and_the_next_start_resumes(tmp_path_factory):
     env = cache_env(tmp_path_factory)
     workdir = tmp_path_factory.mktemp("disk_full") / "w"
-    args = [*TINY, f"--workdir={workdir}", "--config.total_steps=6",
-            "--config.checkpoint.every_steps=2"]
+    args = [
+        *TINY,
+        f"--workdir={workdir}",
+        "--config.total_steps=6",
+        "--config.checkpoint.every_steps=2",
+    ]
 
     def committed():
         return sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())

@@ -24,7 +24,7 @@ from jrl import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from configs import grpo_math
+from configs import grpo_math  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 

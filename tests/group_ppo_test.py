@@ -10,7 +10,6 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -339,7 +338,7 @@ def test_init_threshold_and_config_checks():
             gp.init_threshold(cfg(**bad))
 
 
-# ----------------------------------------------------------------------------- registry, masking, jit
+# ------------------------------------------------------------------------- registry, masking, jit
 
 
 def inputs(r, m, v, logp, tau, config):
@@ -382,9 +381,7 @@ def test_compute_full_for_every_estimator():
         adv_lib.register("nope", needs=("old_logprob",))
     assert adv_lib.needs("group_ppo") == ("values", "old_log_prob", "threshold")
     with pytest.raises(ValueError, match="old_log_prob, threshold"):
-        fx.compute(
-            "group_ppo", token_level_rewards=r, response_mask=m, values=v, config=config
-        )
+        fx.compute("group_ppo", token_level_rewards=r, response_mask=m, values=v, config=config)
 
 
 def test_masked_garbage_does_not_leak():

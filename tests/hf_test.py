@@ -255,7 +255,9 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
 def test_unsupported_rope_type_and_bias_raise(tmp_path):
     path = _copy_golden("llama", tmp_path)
     _edit_config(path, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(ValueError, match="unknown RoPE scaling .*'dynamic'.*default, linear, llama3"):
+    with pytest.raises(
+        ValueError, match="unknown RoPE scaling .*'dynamic'.*default, linear, llama3"
+    ):
         hf.load_pretrained(path)
     _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e4}, mlp_bias=True)
     with pytest.raises(ValueError, match="mlp_bias=true are not supported"):

@@ -162,7 +162,8 @@ case "$4" in
   scp) cp "$5" "$HOME/${6#*:}" ;;
   ssh)
     [ "$(cat "$FAKE/state")" = READY ] || exit 255  # a preempted VM answers no ssh
-    for a in "$@"; do case "$a" in --command=*) cd "$HOME" && bash -c "${a#--command=}" ;; esac; done
+    for a in "$@"; do case "$a" in --command=*) """
+        """cd "$HOME" && bash -c "${a#--command=}" ;; esac; done
     ;;
 esac
 """,

@@ -140,7 +140,9 @@ def test_blockwise_attention_in_the_model_gives_the_same_log_probs_and_gradients
 
     grad = lambda c: jax.value_and_grad(lambda p: loss(c, p), has_aux=True)(params)
     (_, want_lp), want_g = grad(dataclasses.replace(cfg, attention="xla"))
-    (_, got_lp), got_g = grad(dataclasses.replace(cfg, attention="blockwise", attention_block_size=4))
+    (_, got_lp), got_g = grad(
+        dataclasses.replace(cfg, attention="blockwise", attention_block_size=4)
+    )
     real = np.asarray(rmask, bool)
     np.testing.assert_allclose(np.asarray(got_lp)[real], np.asarray(want_lp)[real], atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
@@ -221,7 +223,9 @@ def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
             getattr(got_state, name),
             getattr(want_state, name),
         )
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params))
+    moved = jax.tree.leaves(
+        jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params)
+    )
     assert max(moved) > 1e-4  # the update did change the parameters
 
 
@@ -239,7 +243,9 @@ def test_fused_step_with_everything_on_equals_everything_off():
     results = []
     for cfg in (_tiny(), _tiny(**lean)):
         tok, task, reward_fn, model_cfg = trainer.build(cfg)
-        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
+        step = jax.jit(
+            step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
+        )
         key = jax.random.key(0)
         state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
         metrics = []
@@ -251,12 +257,16 @@ def test_fused_step_with_everything_on_equals_everything_off():
     for want, got in zip(want_metrics, got_metrics):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params
+    )
 
 
 def test_micro_batch_sizes_must_divide_each_devices_rows():
     cfg = _tiny(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
-    with pytest.raises(config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3") as e:
+    with pytest.raises(
+        config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3"
+    ) as e:
         step_lib.micro_batch_counts(cfg)
     assert "\n" not in str(e.value)
     mesh = sharding.make_mesh(("data", "fsdp", "tensor"), (4, 1, 1), jax.devices()[:4])
@@ -310,7 +320,10 @@ def test_bench_memory_reports_one_json_line():
     for k in ("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "peak_bytes"):
         assert isinstance(report[k], int) and report[k] >= 0, k
     assert report["peak_bytes"] == (
-        report["argument_bytes"] + report["output_bytes"] - report["alias_bytes"] + report["temp_bytes"]
+        report["argument_bytes"]
+        + report["output_bytes"]
+        - report["alias_bytes"]
+        + report["temp_bytes"]
     )
     assert (report["rows"], report["prompt_length"], report["response_length"]) == (16, 7, 4)
     # The train state is an argument: float32 params + Adam's two moments, at least.
@@ -341,7 +354,9 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
         exp, _ = jax.jit(phases[0])(state, task.train_batch(0, 4), key)
         scored, _, _ = jax.jit(phases[1])(state, exp)
         assert ("old_log_prob" in scored) != shortcut
-        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
+        step = jax.jit(
+            step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
+        )
         metrics = []
         for i in range(2):
             state, m = step(state, task.train_batch(i, 4))
@@ -352,4 +367,6 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     for got, want in zip(got_metrics, want_metrics):
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params
+    )

@@ -81,7 +81,9 @@ def test_adapted_forward_equals_merged_weights(model):
     mask = jnp.concatenate([pmask, out.response_mask], 1)
     logp = jax.nn.log_softmax(tfm.apply_full(CFG, merged, ids, mask)[0][:, 3:-1], -1)
     want_logp = jnp.take_along_axis(logp, out.response_ids[..., None], -1)[..., 0]
-    np.testing.assert_allclose(out.log_probs * out.response_mask, want_logp * out.response_mask, atol=1e-5)
+    np.testing.assert_allclose(
+        out.log_probs * out.response_mask, want_logp * out.response_mask, atol=1e-5
+    )
 
 
 def test_lora_config_errors():
@@ -117,7 +119,9 @@ def test_dropout_drops_only_the_adapter_input(model):
     np.testing.assert_array_equal(_logits(CFG, dropped), _logits(CFG, params))
     want = _logits(CFG, full)
     one, two = (_logits(CFG, lora.with_dropout(full, 0.3, jax.random.key(k))) for k in (5, 6))
-    assert np.abs(np.asarray(one - want)).max() > 1e-3 and np.abs(np.asarray(one - two)).max() > 1e-3
+    assert (
+        np.abs(np.asarray(one - want)).max() > 1e-3 and np.abs(np.asarray(one - two)).max() > 1e-3
+    )
     remat = dataclasses.replace(CFG, remat="block")
     np.testing.assert_allclose(
         _logits(remat, lora.with_dropout(full, 0.3, jax.random.key(5))), one, atol=1e-5
@@ -126,14 +130,24 @@ def test_dropout_drops_only_the_adapter_input(model):
     # One MLP: down_proj's adapter output is linear in its input, so E[mask / (1 - p)] = 1.
     mlp = tfm.MLP(CFG)
     layer0 = jax.tree.map(lambda a: a[0], base["layers"]["mlp"])
-    adapters = {"down_proj": jax.tree.map(lambda a: a[0], full["lora"]["layers"]["mlp"]["down_proj"])}
+    adapters = {
+        "down_proj": jax.tree.map(lambda a: a[0], full["lora"]["layers"]["mlp"]["down_proj"])
+    }
     x = jax.random.normal(jax.random.key(7), (1, 3, 32))
     apply = lambda lora_vars: mlp.apply({"params": layer0, "lora": lora_vars}, x)
     plain = apply(adapters)
     no_adapter = apply({})
 
     def sample(key):
-        keyed = lora.with_dropout({"lora": {"layers": {"mlp": {"down_proj": full["lora"]["layers"]["mlp"]["down_proj"]}}}}, 0.5, key)
+        keyed = lora.with_dropout(
+            {
+                "lora": {
+                    "layers": {"mlp": {"down_proj": full["lora"]["layers"]["mlp"]["down_proj"]}}
+                }
+            },
+            0.5,
+            key,
+        )
         ab = jax.tree.map(lambda a: a[0], keyed["lora"]["layers"]["mlp"]["down_proj"])
         return apply({"down_proj": ab}) - no_adapter
 
@@ -145,7 +159,8 @@ def test_dropout_drops_only_the_adapter_input(model):
 
 
 def test_accumulate_grads_gives_each_micro_batch_its_own_key():
-    """With a key, micro-batch i of k sees split(key, k)[i] (fresh dropout masks per micro-batch)."""
+    """With a key, micro-batch i of k sees split(key, k)[i] (fresh dropout masks per
+    micro-batch)."""
     from jrl import step as step_lib
 
     def loss_fn(w, mb, key):
@@ -229,7 +244,9 @@ def test_dropout_changes_the_update_only():
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     ids = trainer.sampling_ids(tok, task)
-    state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1))
+    state = step_lib.init_state(
+        cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
+    )
     state = state.replace(params=_moved(state.params, jax.random.key(3)))
     dropped = cfg.copy_and_resolve_references()
     dropped.lora.dropout = 0.2
@@ -249,7 +266,8 @@ def test_dropout_changes_the_update_only():
         "response_ids": jnp.asarray(rng.integers(3, model_cfg.vocab_size, (b, r)), jnp.int32),
         "response_mask": jnp.asarray(np.arange(r)[None] < rng.integers(1, r, (b, 1)), jnp.int32),
         "advantages": jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
-        "old_log_prob": jnp.full((b, r), -3.0), "ref_log_prob": jnp.full((b, r), -3.2),
+        "old_log_prob": jnp.full((b, r), -3.0),
+        "ref_log_prob": jnp.full((b, r), -3.2),
     }
     scored_state = state
     update = {id(p): jax.jit(p[2]) for p in (plain_phases, drop_phases)}
@@ -264,8 +282,11 @@ def test_dropout_changes_the_update_only():
 def compile_cache(tmp_path):
     """A persistent compilation cache for one test: runs of the same config in one process
     (a run and its resume) compile each program once."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
     before = {name: getattr(jax.config, name) for name in names}
     jax.config.update(names[0], str(tmp_path / "compile_cache"))
     jax.config.update(names[1], 0.0)
@@ -374,13 +395,17 @@ def test_peft_loads_the_adapter_export(tmp_path):
     peft_python = os.environ.get("JRL_PEFT_PYTHON")
     if not peft_python:
         if not all(importlib.util.find_spec(m) for m in ("peft", "torch")):
-            pytest.skip("peft / torch not importable; set JRL_PEFT_PYTHON to an interpreter with them")
+            pytest.skip(
+                "peft / torch not importable; set JRL_PEFT_PYTHON to an interpreter with them"
+            )
         peft_python = sys.executable
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "scripts", "check_peft_export.py")
     out = subprocess.run(
         [sys.executable, script, f"--peft_python={peft_python}", f"--out={tmp_path}"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert '"max_abs_logit_diff"' in out.stdout

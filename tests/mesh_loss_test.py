@@ -2,7 +2,6 @@
 mode (jrl's global means need no dp_size / global_batch_size arguments, unlike verl)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

@@ -98,9 +98,7 @@ def _decode(cfg, params, prompt, pmask, cont):
     for t in range(r - 1):
         key_valid[:, p + t] = True
         mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-        out = apply(
-            {"params": params}, cont[:, t : t + 1], pos[:, -1:] + 1 + t, mask, cache, p + t
-        )
+        out = apply({"params": params}, cont[:, t : t + 1], pos[:, -1:] + 1 + t, mask, cache, p + t)
         cache = out.cache
         step_logits.append(tfm.lm_logits(cfg, out.hidden[:, -1], out.head))
     return np.stack(step_logits, 1)

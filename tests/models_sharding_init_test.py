@@ -16,7 +16,7 @@ from jrl.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from configs import grpo_math
+from configs import grpo_math  # noqa: E402
 
 CFG = transformer.ModelConfig(
     vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32

@@ -14,7 +14,11 @@ def test_hosts_end_with_process_0s_values():
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(HERE, "multihost_agree.py"), str(port), str(i)],

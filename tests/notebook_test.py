@@ -25,7 +25,10 @@ def execute(workdir, quick: bool, timeout: int = 600):
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
         NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}},
         ).execute()
     finally:
         for k in env:
@@ -35,7 +38,9 @@ def execute(workdir, quick: bool, timeout: int = 600):
 
 
 def text_of(cell) -> str:
-    return "".join(o.get("text", "") + "".join(o.get("data", {}).get("text/plain", "")) for o in cell.outputs)
+    return "".join(
+        o.get("text", "") + "".join(o.get("data", {}).get("text/plain", "")) for o in cell.outputs
+    )
 
 
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path):

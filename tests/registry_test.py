@@ -20,7 +20,10 @@ def test_register_get_names():
 
 def test_unknown_name_says_what_and_valid_names():
     r = Registry("colour", {"red": 1, "blue": 2})
-    with pytest.raises(UnknownName, match=r"unknown colour 'rad' \(did you mean 'red'\?\): valid names are blue, red\."):
+    with pytest.raises(
+        UnknownName,
+        match=r"unknown colour 'rad' \(did you mean 'red'\?\): valid names are blue, red\.",
+    ):
         r.get("rad")
     with pytest.raises(ValueError, match="already registered"):
         r.add("red", 3)

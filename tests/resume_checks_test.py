@@ -17,8 +17,10 @@ import sys  # noqa: E402
 sys.path.insert(0, REPO)
 from configs import grpo_math  # noqa: E402
 
-ROWS = [{"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"} for a, b in
-        [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (3, 3)]]
+ROWS = [
+    {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (3, 3)]
+]
 GSM8K = [
     "--config.task.name=gsm8k",
     "--config.task.reward=gsm8k",
@@ -61,16 +63,27 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
     cfg.checkpoint.every_steps = 7  # safe
     cfg.mesh.shape = (1, -1, 1)  # safe: the same step laid out otherwise
     cfg.task.train_files = "/elsewhere/a.jsonl"  # compared by fingerprint, not by path
-    moved = {"task.train_files[0]": {"path": "/elsewhere/a.jsonl", "size": 12,
-                                      "sha256_head_tail": "y"}}
+    moved = {
+        "task.train_files[0]": {"path": "/elsewhere/a.jsonl", "size": 12, "sha256_head_tail": "y"}
+    }
     assert workdir_lib.changes(saved, cfg, moved) == [
         "actor.lr 0.0002 -> 0.001",
         "rollout.n 4 -> 8",
         "task.train_files[0] /elsewhere/a.jsonl changed (10 -> 12 bytes)",
     ]
-    assert workdir_lib.changes(saved, grpo_math.get_config("tiny"), {
-        "task.train_files[0]": {**prints["task.train_files[0]"], "path": "/elsewhere/a.jsonl"}
-    }) == []  # the same file, moved
+    assert (
+        workdir_lib.changes(
+            saved,
+            grpo_math.get_config("tiny"),
+            {
+                "task.train_files[0]": {
+                    **prints["task.train_files[0]"],
+                    "path": "/elsewhere/a.jsonl",
+                }
+            },
+        )
+        == []
+    )  # the same file, moved
     same_size = {"task.train_files[0]": {**moved["task.train_files[0]"], "size": 10}}
     assert workdir_lib.changes(saved, cfg, same_size)[-1].endswith("(same size, other content)")
     del saved["rollout"]["n"]  # a field jrl did not have when the run started: not compared

@@ -15,7 +15,7 @@ from jrl.models import transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from configs import grpo_math, ppo_math
+from configs import grpo_math, ppo_math  # noqa: E402
 
 # vocab 32, hidden 16, 4 query heads, 2 kv heads of width 4, MLP 32: every dim divides 2x2x2.
 CFG = transformer.ModelConfig(
@@ -64,7 +64,10 @@ def test_logical_to_mesh_rules():
         ((2, 2, 2), {"embed": (16, 8), "gate": (1, 8, 16), "q": (1, 8, 2, 4), "k": (1, 8, 1, 4)}),
         # tensor=4 does not divide K=2: k_proj keeps its kv heads whole (replicated dim)
         ((1, 2, 4), {"embed": (8, 8), "gate": (1, 8, 8), "q": (1, 8, 1, 4), "k": (1, 8, 2, 4)}),
-        ((8, 1, 1), {"embed": (32, 16), "gate": (1, 16, 32), "q": (1, 16, 4, 4), "k": (1, 16, 2, 4)}),
+        (
+            (8, 1, 1),
+            {"embed": (32, 16), "gate": (1, 16, 32), "q": (1, 16, 4, 4), "k": (1, 16, 2, 4)},
+        ),
     ],
 )
 def test_params_really_split(params, shape, expected):

@@ -42,7 +42,9 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     state, _ = step(state, batch)
     jax.tree.map(np.testing.assert_array_equal, before, (state.params, state.opt_state))
     assert int(step_lib.schedule_count(state.opt_state)) == 0
-    moved = jax.tree.map(lambda a, b: np.any(a != np.asarray(b)), critic_before, state.critic_params)
+    moved = jax.tree.map(
+        lambda a, b: np.any(a != np.asarray(b)), critic_before, state.critic_params
+    )
     assert any(jax.tree.leaves(moved))
     state, _ = step(state, batch)  # past the warm-up: the policy trains
     assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)

@@ -13,7 +13,14 @@ PACKAGE = os.path.join(REPO, "jrl")
 ENTRYPOINTS = {"jrl.train", "jrl.eval", "jrl.export", "jrl.bench"}
 # Layers of pure maths / model code may not import these runtime modules (the models name logical
 # axes and constrain activations through jrl.partitioning, which imports no jrl module).
-RUNTIME = {"jrl.sharding", "jrl.step", "jrl.rollout", "jrl.trainer", "jrl.checkpoint", "jrl.workdir"}
+RUNTIME = {
+    "jrl.sharding",
+    "jrl.step",
+    "jrl.rollout",
+    "jrl.trainer",
+    "jrl.checkpoint",
+    "jrl.workdir",
+}
 RUNTIME |= ENTRYPOINTS | {"jrl.cli", "jrl.evaluator", "jrl.exporter", "jrl.benchmark"}
 
 
@@ -35,7 +42,9 @@ def imports(path: str, known: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "jrl"}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "jrl":
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "jrl"
+        ):
             for a in node.names:  # `from jrl import x`: the module jrl.x if there is one
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if sub in known else node.module)

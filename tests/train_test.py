@@ -79,7 +79,8 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
         (
             "algorithm.adv_estimator",
             "grpoo",
-            r"algorithm.adv_estimator='grpoo' is unknown \(did you mean 'grpo'\?\); valid names: .*gae.*rloo",
+            r"algorithm.adv_estimator='grpoo' is unknown \(did you mean 'grpo'\?\); "
+            r"valid names: .*gae.*rloo",
         ),
         (
             "actor.policy_loss",
@@ -133,7 +134,8 @@ def test_unknown_preset_is_rejected():
 
 def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypatch):
     """grpo_math on a tiny local GSM8K-format jsonl and a tiny HF-format (Qwen2) checkpoint: the
-    Python reward runs inside the fused step through a host callback; one compile, finite metrics."""
+    Python reward runs inside the fused step through a host callback; one compile, finite
+    metrics."""
     rows = [
         {"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
         for a, b in [(3, 4), (10, 7), (2, 2), (8, 1), (5, 5), (6, 3), (9, 9), (1, 0)]

@@ -11,9 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.algos import advantages as adv_lib
 from jrl.algos import kl as kl_lib
-from jrl.algos import losses as loss_lib
 from jrl.algos import rollout_corr
 
 import algos_fixtures as fx
@@ -22,7 +20,9 @@ ATOL = 1e-5
 
 
 def close(actual, expected, atol=ATOL):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected, np.float64), rtol=0, atol=atol)
+    np.testing.assert_allclose(
+        np.asarray(actual), np.asarray(expected, np.float64), rtol=0, atol=atol
+    )
 
 
 run_loss = fx.run_loss
@@ -40,7 +40,14 @@ def test_seq_mean_token_sum_norm_is_a_mean_over_rows_divided_by_t():
     loss, _ = run_loss("vanilla", old, new, adv, m, "seq-mean-token-sum-norm", clip_ratio_high=0.28)
     close(loss, ((-1.28 + 0.8) + (3.0 - 2.0)) / 2 / 3)  # mean over 2 rows, then / T = 3
     loss, _ = run_loss(
-        "vanilla", old, new, adv, m, "seq-mean-token-sum-norm", clip_ratio_high=0.28, loss_scale_factor=4.0
+        "vanilla",
+        old,
+        new,
+        adv,
+        m,
+        "seq-mean-token-sum-norm",
+        clip_ratio_high=0.28,
+        loss_scale_factor=4.0,
     )
     close(loss, 0.26 / 4)
     loss, _ = run_loss("vanilla", old, new, adv, m, "token-sum", clip_ratio_high=0.28)
@@ -185,11 +192,15 @@ def test_gdpo_is_whitened_grpo_and_vectorized_names():
     adv, ret = fx.compute("gdpo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
     close(adv, expected)
     close(ret, expected)
-    a, _ = fx.compute("grpo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    a, _ = fx.compute(
+        "grpo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg
+    )
     close(a, x)
     # rloo_vectorized: like rloo, but a group of one gets 0 (rloo keeps the score)
     index = np.array([0, 0, 0, 3])
-    a, _ = fx.compute("rloo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg)
+    a, _ = fx.compute(
+        "rloo_vectorized", token_level_rewards=r, response_mask=m, index=index, config=cfg
+    )
     b, _ = fx.compute("rloo", token_level_rewards=r, response_mask=m, index=index, config=cfg)
     # group {1, 0, 3}: 1 - 1.5, 0 - 2, 3 - 0.5
     close(a[:3, 0], [-0.5, -2.0, 2.5])
@@ -225,13 +236,17 @@ def test_dppo(name):
         keep = np.where(adv > 0, (d <= 0.3) | (p <= po), (d <= 0.1) | (p >= po))
     w = np.minimum(ratio, 1.5)
     token = -adv * w * new * keep
-    loss, metrics = run_loss(name, old, new, adv, m, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=1.5)
+    loss, metrics = run_loss(
+        name, old, new, adv, m, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=1.5
+    )
     close(loss, (token * m).sum() / m.sum())
     close(metrics["actor/pg_clipfrac"], ((1 - keep) * m).sum() / m.sum())
     close(metrics["actor/pg_clipfrac_lower"], ((ratio > 1.5) * keep * m).sum() / m.sum())
     assert 0 < metrics["actor/pg_clipfrac"] < 1  # both branches are exercised
     grad = jax.grad(
-        lambda lp: run_loss(name, old, lp, adv, m, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=1.5)[0]
+        lambda lp: run_loss(
+            name, old, lp, adv, m, clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=1.5
+        )[0]
     )(jnp.asarray(new))
     close(grad, -adv * w * keep * m / m.sum())  # the weight and the test carry no gradient
 
@@ -246,7 +261,12 @@ def test_dro():
         run_loss("dro", old, new, adv, m)
 
 
-RC = dict(rollout_is="token", rollout_is_threshold="1.5", rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")
+RC = dict(
+    rollout_is="token",
+    rollout_is_threshold="1.5",
+    rollout_rs="token_k1",
+    rollout_rs_threshold="0.6_1.6",
+)
 
 
 @pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
@@ -260,7 +280,9 @@ def test_bypass_mode(loss_type):
     loss, metrics = run_loss("bypass_mode", rollout, new, adv, m, **cfg)
     if loss_type == "reinforce":
         w = np.minimum(np.exp(lr), 1.5)
-        expected = (-adv * new * w * kept).sum() / m.sum()  # verl: the batch's tokens before rejection
+        expected = (
+            -adv * new * w * kept
+        ).sum() / m.sum()  # verl: the batch's tokens before rejection
         close(metrics["actor/ppo_kl"], ((rollout - new) * kept).sum() / kept.sum())
     else:
         ratio = np.exp(lr)
@@ -304,7 +326,9 @@ def test_rejection_sampling_options():
     lr = np.array([[0.05, -0.1, 0.0], [0.6, 0.0, 0.0], [-0.02, 0.0, 0.0]], np.float32)
     k3 = np.exp(lr) - 1 - lr
     # seq_mean_k3 <= 0.05: row 1's mean k3 = (0.2221 + 0) / 2 = 0.111 is rejected
-    parsed = rollout_corr.settings(fx.rc_cfg(rollout_is="", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05"))
+    parsed = rollout_corr.settings(
+        fx.rc_cfg(rollout_is="", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05")
+    )
     w, mask, metrics = rollout_corr.correct(lr, np.zeros_like(lr), m, parsed)
     assert w is None
     close(mask, m * np.array([[1], [0], [1]]))
@@ -356,13 +380,25 @@ def test_straight_through_kl_kinds(kind):
     [
         ({"actor.policy_loss": "dro"}, "dro_beta"),
         ({"actor.policy_loss": "bypass_mode"}, "bypass_mode"),
-        ({"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_is": ""}, "corrects nothing"),
         (
-            {"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_rs": "seq_k9"},
+            {
+                "algorithm.rollout_correction.enable": True,
+                "algorithm.rollout_correction.rollout_is": "",
+            },
+            "corrects nothing",
+        ),
+        (
+            {
+                "algorithm.rollout_correction.enable": True,
+                "algorithm.rollout_correction.rollout_rs": "seq_k9",
+            },
             "rollout_correction.rollout_rs option 'seq_k9'",
         ),
         (
-            {"algorithm.rollout_correction.enable": True, "algorithm.rollout_correction.rollout_is_threshold": "x"},
+            {
+                "algorithm.rollout_correction.enable": True,
+                "algorithm.rollout_correction.rollout_is_threshold": "x",
+            },
             "rollout_correction.rollout_is_threshold",
         ),
         ({"actor.loss_agg_mode": "token_sum"}, "did you mean 'token-sum'"),

@@ -18,6 +18,7 @@ from cli_helpers import run as cli_run
 from cli_helpers import start as cli_start
 from jrl import workdir as workdir_lib
 
+
 def _hold_lock(path):
     """Another process that holds the OS lock on `path` (and records itself, as a run does) until
     its stdin closes."""
@@ -110,7 +111,7 @@ def test_local_lock_stale_takeover_and_in_use(tmp_path, caplog):
 
 def test_acquire_is_reentrant_within_a_process_and_release_unlocks(tmp_path):
     workdir_lib.acquire(str(tmp_path))
-    workdir_lib.acquire(str(tmp_path / "." ))  # the same directory: already held, no error
+    workdir_lib.acquire(str(tmp_path / "."))  # the same directory: already held, no error
     holder_pid = json.loads((tmp_path / workdir_lib.LOCK_FILE).read_text())["pid"]
     assert holder_pid == os.getpid()
     workdir_lib.release(str(tmp_path))

@@ -1,7 +1,8 @@
 """RL maths: advantage estimators, policy/value losses, KL penalties, and shared masked helpers.
 
 Submodules (import them explicitly; this package does not import them itself):
-  advantages.py   registry of advantage estimators (gae, grpo, rloo, ...): `make_estimator(algorithm)`
+  advantages.py   registry of advantage estimators (gae, grpo, rloo, ...):
+                  `make_estimator(algorithm)`
   losses.py       registry of policy losses, loss aggregation, value loss, entropy:
                   `make_policy_loss(actor, rollout_correction)`
   kl.py           KL estimators, KL-in-reward, fixed/adaptive KL controllers: `make_kl_controller`
@@ -34,7 +35,8 @@ def masked_sum(x, mask, axis=None):
 
 
 def masked_mean(x, mask, axis=None):
-    """masked_mean(x, m) = sum(x*m) / (sum(m) + 1e-8) over `axis` (None = all); 0 for an empty mask."""
+    """masked_mean(x, m) = sum(x*m) / (sum(m) + 1e-8) over `axis` (None = all); 0 for an empty
+    mask."""
     return masked_sum(x, mask, axis) / (jnp.sum(mask, axis=axis) + EPS_MEAN)
 
 
@@ -42,8 +44,8 @@ def masked_var(x, mask):
     """Unbiased variance over the whole array: masked_mean((x - mu)^2, m) * n / (n - 1), n = sum(m).
 
     Decision (verl raises on n <= 1, which cannot happen inside jit): for n <= 1 the variance is
-    defined as 0. With n == 1 the single valid entry equals the mean, so `masked_whiten` maps it to 0;
-    with n == 0 everything is masked. No NaN is produced either way.
+    defined as 0. With n == 1 the single valid entry equals the mean, so `masked_whiten` maps it to
+    0; with n == 0 everything is masked. No NaN is produced either way.
     """
     n = jnp.sum(mask)
     centered = x - masked_mean(x, mask)

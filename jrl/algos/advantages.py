@@ -165,7 +165,8 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
             chex.assert_shape(index, (batch,))
             index = jnp.asarray(index, jnp.int32)
         values, old_log_prob, sum_pi_squared, rollout_is_weights = (
-            _token_input(x, mask) for x in (values, old_log_prob, sum_pi_squared, rollout_is_weights)
+            _token_input(x, mask)
+            for x in (values, old_log_prob, sum_pi_squared, rollout_is_weights)
         )
         if reward_baselines is not None:
             chex.assert_shape(reward_baselines, (batch,))
@@ -201,7 +202,8 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
 
 
 def _group_sum(x, index):
-    """Per-row sum of `x` [B] over the row's group (segment_sum, num_segments = B, gathered back)."""
+    """Per-row sum of `x` [B] over the row's group (segment_sum, num_segments = B, gathered
+    back)."""
     return jax.ops.segment_sum(x, index, num_segments=x.shape[0])[index]
 
 
@@ -449,7 +451,14 @@ def _token_baseline(returns, w_cum, mask, index, members):
 
 @register("optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
 def optimal_token_baseline(
-    *, token_level_rewards, response_mask, index, old_log_prob, sum_pi_squared, rollout_is_weights, **_
+    *,
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_prob,
+    sum_pi_squared,
+    rollout_is_weights,
+    **_,
 ):
     """Optimal token baseline, OTB (verl 0.9.1): a baseline per group and position that minimises
     the policy-gradient variance under a path-variance proxy.
@@ -472,7 +481,14 @@ def optimal_token_baseline(
 
 @register("tir_optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
 def tir_optimal_token_baseline(
-    *, token_level_rewards, response_mask, index, old_log_prob, sum_pi_squared, rollout_is_weights, **_
+    *,
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_prob,
+    sum_pi_squared,
+    rollout_is_weights,
+    **_,
 ):
     """OTB for multi-turn / tool-integrated rollouts (verl 0.9.1): as `optimal_token_baseline`,
     but each row's valid tokens are first packed to the left (the k-th valid token of every row
@@ -495,7 +511,16 @@ def tir_optimal_token_baseline(
 
 @register("group_ppo", needs=("values", "old_log_prob", "threshold"))
 def group_ppo(
-    *, token_level_rewards, response_mask, values, old_log_prob, threshold, gamma, lam, group_params, **_
+    *,
+    token_level_rewards,
+    response_mask,
+    values,
+    old_log_prob,
+    threshold,
+    gamma,
+    lam,
+    group_params,
+    **_,
 ):
     """GROUP-PPO (`jrl.algos.group_ppo`): segment advantages, returns, the critic mask of the
     segment starts, group/* metrics, and the adapted threshold for the next step.

@@ -104,7 +104,9 @@ def explained_variance(returns, values, mask) -> jax.Array:
     return 1.0 - masked_var(returns - values, mask) / (masked_var(returns, mask) + EV_EPS)
 
 
-def update_threshold(threshold, returns_tok, values, response_mask, *, params: GroupParams) -> jax.Array:
+def update_threshold(
+    threshold, returns_tok, values, response_mask, *, params: GroupParams
+) -> jax.Array:
     """The adaptive threshold, once per training step:
 
         EV = explained_variance(returns_tok, values, m)     (returns_tok = per-token GAE returns)

@@ -87,8 +87,8 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     """KL in the reward: r_t = score_t - beta * kl(old_t, ref_t) * mask_t, all [B, T].
 
     Returns (token_level_rewards, metrics). Rewards are 0 where mask == 0 (inputs there are
-    ignored). metrics: `actor/reward_kl_penalty` = mean over rows of the row's masked-mean KL (verl's
-    current_kl, to feed the KL controller), `actor/reward_kl_penalty_coeff` = the beta used.
+    ignored). metrics: `actor/reward_kl_penalty` = mean over rows of the row's masked-mean KL
+    (verl's current_kl, to feed the KL controller), `actor/reward_kl_penalty_coeff` = the beta used.
     """
     mask = jnp.asarray(response_mask, jnp.float32)
     chex.assert_equal_shape([token_level_scores, old_log_prob, ref_log_prob, mask])
@@ -142,7 +142,9 @@ def make_kl_controller(algorithm) -> Callable[[jax.Array, jax.Array, jax.Array],
     step = functools.partial(update, **bind(ctrl))
 
     def controller(kl_coef, current_kl, n_steps):
-        return jnp.asarray(step(jnp.asarray(kl_coef, jnp.float32), current_kl, n_steps), jnp.float32)
+        return jnp.asarray(
+            step(jnp.asarray(kl_coef, jnp.float32), current_kl, n_steps), jnp.float32
+        )
 
     return controller
 

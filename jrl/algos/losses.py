@@ -4,7 +4,8 @@ Numerically the same as verl 0.9.1 (`verl/trainer/ppo/core_algos.py`). Arrays ar
 [B, T]; position t is action t (the response token y_{t+1}): `log_prob[:, t]` = log pi(y_{t+1} |
 prompt, y_1..y_t), `advantages[:, t]` belongs to that action. Write
 
-    log_ratio = log_prob - old_log_prob,  ratio = exp(log_ratio),  A = advantages,  m = response_mask.
+    log_ratio = log_prob - old_log_prob,  ratio = exp(log_ratio),
+        A = advantages,  m = response_mask.
 
 The function `make_policy_loss` returns zeroes every input where m == 0 before the loss sees it,
 so garbage on padding never reaches the loss, the metrics, or the gradient (d loss / d log_prob is
@@ -212,7 +213,14 @@ def make_policy_loss(actor, rollout_correction) -> Callable[..., tuple[jax.Array
     params = policy_loss_params(actor, rollout_correction)
 
     def policy_loss(
-        old_log_prob, log_prob, advantages, response_mask, *, counts=None, rollout_is_weights=None, key=None
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        *,
+        counts=None,
+        rollout_is_weights=None,
+        key=None,
     ):
         return _policy_loss(
             loss_fn,
@@ -293,14 +301,24 @@ def _ppo_kl(log_ratio, mean):
 
 @register_policy_loss("vanilla")
 def vanilla(
-    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    aggregate,
+    mean,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    **_,
 ):
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (DAPO,
     arXiv:2503.14476) and dual clip (Ye et al. 2019, arXiv:1912.09729).
 
         ratio = exp(clip(log_ratio, -20, 20))
         l1 = -A ratio;  l2 = -A clip(ratio, 1 - eps_low, 1 + eps_high);  c1 = max(l1, l2)
-        l3 = -A clip_ratio_c;  loss_t = min(l3, c1) if A < 0 else c1;  aggregated with loss_agg_mode.
+        l3 = -A clip_ratio_c;  loss_t = min(l3, c1) if A < 0 else c1;
+            aggregated with loss_agg_mode.
     pg_clipfrac = mean_m(l2 > l1); pg_clipfrac_lower = mean_m(c1 > l3 and A < 0).
     Parameters: clip_ratio_low, clip_ratio_high, clip_ratio_c (must be > 1).
     """
@@ -319,7 +337,9 @@ def vanilla(
     return aggregate(losses), metrics
 
 
-def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, low, high, clip_ratio_c, valid_mask_fn):
+def _dppo(
+    old_log_prob, log_prob, advantages, aggregate, mean, low, high, clip_ratio_c, valid_mask_fn
+):
     """DPPO's shared body: a TIS-truncated, detached ratio times -A log_prob on the tokens the
     divergence test `valid_mask_fn(log_prob, old_log_prob, eps_low, eps_high) -> (keep if A > 0,
     keep if A <= 0)` keeps."""
@@ -339,16 +359,28 @@ def _dppo(old_log_prob, log_prob, advantages, aggregate, mean, low, high, clip_r
 
 @register_policy_loss("dppo_tv")
 def dppo_tv(
-    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    aggregate,
+    mean,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    **_,
 ):
     """DPPO-Binary-TV, divergence-constrained PPO (arXiv:2602.04879).
 
-        ratio = exp(clip(log_ratio, -20, 20));  w = sg(min(ratio, clip_ratio_c))  (TIS, no dual clip)
-        keep_t = (p_t - p_old_t <= eps_high) if A_t > 0 else (p_t - p_old_t >= -eps_low),  p = exp(log_prob)
+        ratio = exp(clip(log_ratio, -20, 20));  w = sg(min(ratio, clip_ratio_c))
+            (TIS, no dual clip)
+        keep_t = (p_t - p_old_t <= eps_high) if A_t > 0 else (p_t - p_old_t >= -eps_low),
+            p = exp(log_prob)
         loss_t = -A_t w_t log_prob_t keep_t, aggregated with loss_agg_mode
     clip_ratio / clip_ratio_low / clip_ratio_high are total-variation bounds on the token
     probability here, not ratio bounds. pg_clipfrac = mean_m(1 - keep); pg_clipfrac_lower =
-    mean_m(ratio > clip_ratio_c and keep). Parameters: clip_ratio_low, clip_ratio_high, clip_ratio_c.
+    mean_m(ratio > clip_ratio_c and keep). Parameters: clip_ratio_low, clip_ratio_high,
+    clip_ratio_c.
     """
 
     def keep(log_prob, old_log_prob, low, high):
@@ -356,13 +388,30 @@ def dppo_tv(
         return diff <= high, diff >= -low
 
     return _dppo(
-        old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, keep
+        old_log_prob,
+        log_prob,
+        advantages,
+        aggregate,
+        mean,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        keep,
     )
 
 
 @register_policy_loss("dppo_kl")
 def dppo_kl(
-    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    aggregate,
+    mean,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    **_,
 ):
     """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL of the token event
         d_t = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
@@ -378,7 +427,15 @@ def dppo_kl(
         return (d <= high) | (prob <= old_prob), (d <= low) | (prob >= old_prob)
 
     return _dppo(
-        old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, clip_ratio_c, keep
+        old_log_prob,
+        log_prob,
+        advantages,
+        aggregate,
+        mean,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        keep,
     )
 
 
@@ -411,7 +468,8 @@ def bypass_mode(
     """Bypass mode of rollout correction (verl 0.9.1): old_log_prob IS the rollout's log-prob (the
     old-log-prob forward is skipped). IS weights and the rejection mask are computed here from
     sg(log_prob) vs old_log_prob (`jrl.algos.rollout_corr.correct` with the parsed
-    `rollout_correction` settings; the section must be enabled), then with m' = the rejection-masked response_mask:
+    `rollout_correction` settings; the section must be enabled), then with m' = the
+    rejection-masked response_mask:
       loss_type ppo_clip:   `vanilla` on m' (its ratio already corrects; no IS weights)
       loss_type reinforce:  loss_t = -A_t log_prob_t w_t on m'; actor/ppo_kl = mean_m'(old - new)
     Aggregation normalises by the mini-batch's counts before rejection (verl's global batch
@@ -420,10 +478,13 @@ def bypass_mode(
     """
     if rollout_correction is None:
         raise ValueError(
-            "policy loss 'bypass_mode' needs algorithm.rollout_correction.enable=True (and bypass_mode)."
+            "policy loss 'bypass_mode' needs algorithm.rollout_correction.enable=True"
+            " (and bypass_mode)."
         )
     parsed = rollout_correction
-    weights, kept, corr_metrics = rollout_corr.correct(log_prob, old_log_prob, response_mask, parsed)
+    weights, kept, corr_metrics = rollout_corr.correct(
+        log_prob, old_log_prob, response_mask, parsed
+    )
     share = response_mask.shape[0] / counts["rows"]  # verl averages metrics over micro-batches
     kept_mean = lambda x: masked_mean(x, kept) * share  # noqa: E731
     if parsed["loss_type"] == "reinforce":
@@ -446,7 +507,16 @@ def bypass_mode(
 
 @register_policy_loss("gspo")
 def gspo(
-    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, clip_ratio_low, clip_ratio_high, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    aggregate,
+    mean,
+    clip_ratio_low,
+    clip_ratio_high,
+    **_,
 ):
     """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
 
@@ -491,7 +561,8 @@ def geo_mean(
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
 
     Token log-ratios are clipped one-sidedly by the sign of A, then averaged per sequence:
-        c_t = clip(log_ratio_t, -eps_low, eps_high);  k_t = sign(A_t) min(sign(A_t) log_ratio_t, sign(A_t) c_t)
+        c_t = clip(log_ratio_t, -eps_low, eps_high);
+            k_t = sign(A_t) min(sign(A_t) log_ratio_t, sign(A_t) c_t)
         R_b = exp(sum_t(k_t m) / (|y_b| + 1e-8));  A_b = sum_t(A_t m) / (|y_b| + 1e-8)
         loss = mean over all B rows of -A_b R_b w_b       (loss_agg_mode is ignored, as in verl)
     with rollout IS weights w [B, T]: w_b = exp(sum_t(log(w_t + 1e-10) m) / (|y_b| + 1e-8)) (their
@@ -546,8 +617,8 @@ def cispo(
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(clip(ratio, 1 - eps_low, 1 + eps_high))
         loss_t = -w A_t log_prob_t, aggregated with loss_agg_mode
-    Every token keeps a gradient (w is a constant weight). pg_clipfrac = mean_m(ratio != clip(ratio)).
-    Parameters: clip_ratio_low, clip_ratio_high.
+    Every token keeps a gradient (w is a constant weight).
+    pg_clipfrac = mean_m(ratio != clip(ratio)). Parameters: clip_ratio_low, clip_ratio_high.
     """
     low, high = clip_ratio_low, clip_ratio_high
     log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -603,7 +674,8 @@ def clip_cov(
     clip_cov_ub,
     **_,
 ):
-    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617).
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
+    arXiv:2505.22617).
 
         l1, l2 as in PPO with ratio = exp(log_ratio) (no clamp); loss_t = max(l1, l2) * corr_t
         cov_t = (A_t - mean_m(A)) (log_prob_t - mean_m(log_prob))      (no gradient)
@@ -621,12 +693,7 @@ def clip_cov(
     log_ratio = log_prob - old_log_prob
     l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
     cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_mean(x, response_mask))
-    candidate = (
-        valid
-        & ~(l2 > l1)
-        & (cov < clip_cov_ub)
-        & (cov > clip_cov_lb)
-    )
+    candidate = valid & ~(l2 > l1) & (cov < clip_cov_ub) & (cov > clip_cov_lb)
     n_clip = jnp.maximum(jnp.floor(ratio_of_tokens * jnp.sum(valid)), 1.0)
     priority = cov if key is None else jax.random.uniform(key, cov.shape)
     detached = candidate & _top_ranked(jnp.where(candidate, priority, -jnp.inf), n_clip)
@@ -640,7 +707,16 @@ def clip_cov(
 
 @register_policy_loss("kl_cov")
 def kl_cov(
-    *, old_log_prob, log_prob, advantages, response_mask, aggregate, mean, kl_cov_ratio, ppo_kl_coef, **_
+    *,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    aggregate,
+    mean,
+    kl_cov_ratio,
+    ppo_kl_coef,
+    **_,
 ):
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
 
@@ -648,8 +724,8 @@ def kl_cov(
         largest cov_t = (A_t - mean(A)) (log_prob_t - mean(log_prob)) (means over valid tokens, no
         gradient), where loss_t = -A_t ratio_t + ppo_kl_coef |log_ratio_t|;
         k = max(floor(kl_cov_ratio * #valid tokens), 1) (0 if there are none).
-    Deterministic top-k; ties go to the lower position. Note: actor/ppo_kl is masked_mean(|log_ratio|)
-    here, as verl reports it. Parameters: kl_cov_ratio, ppo_kl_coef.
+    Deterministic top-k; ties go to the lower position. Note: actor/ppo_kl is
+    masked_mean(|log_ratio|) here, as verl reports it. Parameters: kl_cov_ratio, ppo_kl_coef.
     """
     ratio_of_tokens = check_positive("kl_cov_ratio", kl_cov_ratio)
     valid = response_mask != 0
@@ -672,9 +748,7 @@ def kl_cov(
 # ----------------------------------------------------------------------------- value, entropy
 
 
-def value_loss(
-    vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, counts=None
-):
+def value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, counts=None):
     """Clipped value loss (PPO critic). All [B, T]; position t is V(s_{t+1}) of action t.
 
         v_clip = clip(vpreds, values - c, values + c),  c = cliprange_value

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 
 def reverse_scan(step, init, *xs_BT):
-    """Runs `step(carry, xs_t) -> (carry, y_t)` over t = T-1..0 (batched over B); returns y [B, T]."""
+    """Runs `step(carry, xs_t) -> (carry, y_t)` over t = T-1..0 (batched over B); returns
+    y [B, T]."""
     _, ys_TB = jax.lax.scan(step, init, tuple(x.T for x in xs_BT), reverse=True)
     return ys_TB.T
 
@@ -36,7 +37,7 @@ def gae_advantages(token_level_rewards, response_mask, values, gamma, lam):
 
 def discounted_returns(token_level_rewards, response_mask, gamma):
     """Discounted return-to-go G [B, T], reverse over t with carry c (c_T = 0):
-        G_t = r_t + gamma * c_{t+1};   c_t = G_t where mask_t = 1, else c_{t+1} (passed through)."""
+    G_t = r_t + gamma * c_{t+1};   c_t = G_t where mask_t = 1, else c_{t+1} (passed through)."""
 
     def step(carry, xs):
         reward, valid = xs

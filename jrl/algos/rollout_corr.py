@@ -77,7 +77,9 @@ def parse_rs(options: str, spec) -> dict[str, tuple[Optional[float], float]]:
     names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
     for name in names:
         if name not in RS_OPTIONS:
-            raise ValueError(f"rollout_rs option {name!r} is unknown; valid: {', '.join(RS_OPTIONS)}.")
+            raise ValueError(
+                f"rollout_rs option {name!r} is unknown; valid: {', '.join(RS_OPTIONS)}."
+            )
     specs = [p.strip() for p in str(spec).split(",") if p.strip()]
     if not names or not specs or len(specs) not in (1, len(names)):
         raise ValueError(
@@ -96,7 +98,9 @@ def parse_rs(options: str, spec) -> dict[str, tuple[Optional[float], float]]:
         else:
             upper, lower = _float(s, "rollout_rs_threshold"), None
         if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-            raise ValueError(f"rollout_rs_threshold for {name} needs 0 < lower <= upper, got {s!r}.")
+            raise ValueError(
+                f"rollout_rs_threshold for {name} needs 0 < lower <= upper, got {s!r}."
+            )
         out[name] = (lower, upper)
     return out
 
@@ -157,7 +161,9 @@ def _clamped_std(x, mask, lo, hi):
 # ----------------------------------------------------------------------------- IS weights
 
 
-def is_weights(log_ratio, mask, level: str, upper: float, lower: Optional[float], batch_normalize=False):
+def is_weights(
+    log_ratio, mask, level: str, upper: float, lower: Optional[float], batch_normalize=False
+):
     """(IS weights [B, T] without gradient, metrics without prefix); see the module doc."""
     valid = mask > 0
     if level == "token":
@@ -165,7 +171,9 @@ def is_weights(log_ratio, mask, level: str, upper: float, lower: Optional[float]
         raw = jnp.exp(jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
     else:
         for_metrics = masked_sum(log_ratio, mask, axis=-1)[:, None]
-        raw = jnp.broadcast_to(jnp.exp(jnp.clip(for_metrics, -SAFETY_BOUND, SAFETY_BOUND)), mask.shape)
+        raw = jnp.broadcast_to(
+            jnp.exp(jnp.clip(for_metrics, -SAFETY_BOUND, SAFETY_BOUND)), mask.shape
+        )
     raw = raw * mask
     if lower is None:
         weights = jnp.minimum(raw, upper)
@@ -319,7 +327,12 @@ def correct(log_prob, rollout_log_prob, response_mask, parsed: dict):
     weights, metrics = None, {}
     if parsed["level"]:
         weights, m = is_weights(
-            log_ratio, mask, parsed["level"], parsed["upper"], parsed["lower"], parsed["batch_normalize"]
+            log_ratio,
+            mask,
+            parsed["level"],
+            parsed["upper"],
+            parsed["lower"],
+            parsed["batch_normalize"],
         )
         metrics.update(m)
     new_mask = mask

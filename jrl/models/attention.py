@@ -208,7 +208,9 @@ def attend(q_BLKGD, k_BSKD, v_BSKD, bias, scale: float, softcap: float | None = 
     `attend_head_major`."""
     dt = q_BLKGD.dtype
     to_head_major = lambda x: x.astype(dt).transpose(0, 2, 1, 3)  # [B, K, S, D]
-    return attend_head_major(q_BLKGD, to_head_major(k_BSKD), to_head_major(v_BSKD), bias, scale, softcap)
+    return attend_head_major(
+        q_BLKGD, to_head_major(k_BSKD), to_head_major(v_BSKD), bias, scale, softcap
+    )
 
 
 def attend_head_major(q_BLKGD, k_BKSD, v_BKSD, bias, scale: float, softcap: float | None = None):

@@ -18,8 +18,9 @@ The trees:
   reference(base, trainable) -> the same model with the adapters off (the KL reference)
 
 `with_dropout(params, rate, key)` adds per-layer dropout keys to the combined params (the update's
-training forwards; `transformer` then drops adapter inputs). `merge` folds the adapters into full weights (export); `peft_tensors` / `peft_config` write them
-in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`).
+training forwards; `transformer` then drops adapter inputs). `merge` folds the adapters into full
+weights (export); `peft_tensors` / `peft_config` write them in PEFT's format
+(`adapter_model.safetensors`, `adapter_config.json`).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def init_trainable(params, lora_cfg, key) -> tuple[dict, dict]:
 
 def _scaled(adapters, s: float):
     return jax.tree.map(
-        lambda ab: {"a": ab["a"], "b": ab["b"] * s}, adapters,
+        lambda ab: {"a": ab["a"], "b": ab["b"] * s},
+        adapters,
         is_leaf=lambda x: isinstance(x, dict) and "a" in x,
     )
 
@@ -257,4 +259,3 @@ def check_base(saved: dict, hf_path: str) -> str | None:
         f"{now['fingerprint']}); point --config.model.hf_path at that base, or start a fresh "
         f"--workdir."
     )
-

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families.
+"""One decoder-only transformer for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3
+families.
 
 RMSNorm, rotary position embeddings (default, linear or llama3 scaling), grouped-query attention,
 a gated MLP (SwiGLU or GeGLU), optional q/k/v bias, tied or untied embeddings, an optional scalar
@@ -301,7 +302,8 @@ def apply_rope(x, positions, inv_freq):
 
 
 def rope(x, positions, theta):
-    """Rotary embedding, the rotate-half convention of HF Llama. x [B, L, heads, D], positions [B, L]."""
+    """Rotary embedding, the rotate-half convention of HF Llama. x [B, L, heads, D],
+    positions [B, L]."""
     d = x.shape[-1]
     return apply_rope(x, positions, 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
 
@@ -407,7 +409,9 @@ def _masked_attention(q, k_BKSD, v_BKSD, mask_BLS, cache_index, window, scale, c
         mask_BLS = mask_BLS & sliding_window_mask(window, l, k_BKSD.shape[2], cache_index)[None]
     q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
     bias = attention_lib.mask_bias(mask_BLS)[:, None, None]  # [B, 1, 1, L, S]
-    out = attention_lib.attend_head_major(q, k_BKSD, v_BKSD, bias, scale, cfg.attn_logit_softcapping)
+    out = attention_lib.attend_head_major(
+        q, k_BKSD, v_BKSD, bias, scale, cfg.attn_logit_softcapping
+    )
     return out.reshape(b, l, n, d)
 
 
@@ -449,7 +453,13 @@ class Block(nn.Module):
         cfg = self.cfg
         inv_freq, sliding = layer
         a, cache = Attention(cfg, name="attn")(
-            RMSNorm(cfg, name="input_norm")(x), positions, mask, inv_freq, sliding, cache, cache_index
+            RMSNorm(cfg, name="input_norm")(x),
+            positions,
+            mask,
+            inv_freq,
+            sliding,
+            cache,
+            cache_index,
         )
         if cfg.sandwich_norms:
             a = RMSNorm(cfg, name="attn_out_norm")(a)
