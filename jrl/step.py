@@ -172,7 +172,7 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
 
 
 def lora_on(cfg) -> bool:
-    return bool(cfg.get("lora") and cfg.lora.rank)
+    return bool(cfg.lora.rank)
 
 
 def init_lora(cfg, critic_cfg, params, key):

@@ -73,7 +73,7 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
         )
     fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
     fields["head_dim"] = fields["head_dim"] or None
-    vocab_size = cfg.model.get("vocab_size") or vocab_size  # 0: the tokenizer's size
+    vocab_size = cfg.model.vocab_size or vocab_size  # 0: the tokenizer's size
     return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **frozen})
 
 
@@ -330,6 +330,51 @@ def warm_params(cfg, model_cfg, task, key, evaluate_fn, params_sh, say):
     return sharding.put(same_on_every_host(jax.device_get(params)), params_sh)
 
 
+def open_checkpoints(cfg, workdir: str, inputs: dict, allow_changes: bool):
+    """The run's Checkpointer, its saves raising workdir.WriteError (exit 4) when they fail. A
+    workdir with checkpoints must hold a run of the same maths and input files (`inputs`, the
+    fingerprints), unless `allow_changes`."""
+    ckpt = checkpoint_lib.Checkpointer(
+        workdir,
+        every_steps=cfg.checkpoint.every_steps,
+        max_to_keep=cfg.checkpoint.max_to_keep,
+        async_save=cfg.checkpoint.async_save,
+    )
+    if ckpt.all_steps():  # a resume: same maths and input files as the run that saved them
+        workdir_lib.check_resume(workdir, cfg, inputs, allow_changes=allow_changes)
+    return workdir_lib.Guarded(ckpt, ckpt.directory, ("save", "maybe_save", "wait", "close"))
+
+
+def start_or_resume(cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, abstract, state_sh, say):
+    """(state, the checkpoint's extra or None, start step): the newest valid checkpoint's state
+    (the warm-up is skipped: policy, critic and reference come from it; a LoRA base from
+    model.hf_path is reloaded and checked), else a fresh state at step 0 from the warmed-up or
+    initial params, placed into `state_sh` (`abstract` is the state's shapes)."""
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    base_from_hf = lora_base_from_hf(cfg)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+    )
+    resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
+    params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
+    if step_lib.lora_on(cfg):
+        params_sh = step_lib.reference_params(cfg, state_sh)
+    if resumed is not None:
+        state, extra, start = resumed
+        if base_from_hf:
+            state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
+        say(f"resumed from {ckpt.directory} at step {start}", flush=True)
+        return state, extra, start
+    if cfg.warmup.sft_steps:  # the small demo model, warmed up, then placed
+        evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
+        params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
+    else:  # straight into the shards: no host holds the whole model
+        params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
+    init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
+    # the initial params are donated: the state takes their buffers, no third copy
+    return sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), None, 0
+
+
 def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) -> dict:
     """Trains (or resumes); returns the last step's metrics (with the final eval). `fresh`: move
     old checkpoints aside first; `allow_changes`: resume despite other config / input files.
@@ -354,17 +399,8 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     ids = sampling_ids(tok, task)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
-    ckpt = checkpoint_lib.Checkpointer(
-        workdir,
-        every_steps=cfg.checkpoint.every_steps,
-        max_to_keep=cfg.checkpoint.max_to_keep,
-        async_save=cfg.checkpoint.async_save,
-    )
     inputs = workdir_lib.fingerprints(cfg)
-    if ckpt.all_steps():  # a resume: same maths and input files as the run that saved them
-        workdir_lib.check_resume(workdir, cfg, inputs, allow_changes=allow_changes)
-    saving = ("save", "maybe_save", "wait", "close")  # a failed save: WriteError, exit 4
-    ckpt = workdir_lib.Guarded(ckpt, ckpt.directory, saving)
+    ckpt = open_checkpoints(cfg, workdir, inputs, allow_changes)
     step_fn, abstract, state_sh, batch_sh = jit_step(
         cfg,
         model_cfg,
@@ -376,30 +412,13 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)
     base_from_hf = lora_base_from_hf(cfg)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+    state, resumed, start = start_or_resume(
+        cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, abstract, state_sh, say
     )
-    resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
-    params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
-    if step_lib.lora_on(cfg):
-        params_sh = step_lib.reference_params(cfg, state_sh)
-    if resumed is None:
-        if cfg.warmup.sft_steps:  # the small demo model, warmed up, then placed
-            evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
-            params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
-        else:  # straight into the shards: no host holds the whole model
-            params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
-        # the initial params are donated: the state takes their buffers, no third copy
-        state, start = sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), 0
-    else:  # the warm-up is skipped: policy, critic and reference come from the checkpoint
-        state, extra, start = resumed
-        if base_from_hf:
-            state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
-        say(f"resumed from {ckpt.directory} at step {start}", flush=True)
     metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
     if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
         with workdir_lib.writing(metrics_path):
-            metric_files.trim_metrics(workdir, start if resumed else -1)
+            metric_files.trim_metrics(workdir, start if resumed is not None else -1)
         config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
         with workdir_lib.writing(config_path):
             metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
@@ -412,10 +431,10 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         first_accuracy = metrics["val/accuracy"]
         writer.write(0, {**metrics, **long_prompts})
     else:
-        first_accuracy = extra["val/accuracy_first"]
+        first_accuracy = resumed["val/accuracy_first"]
         metrics = evaluate(state, start) if start >= cfg.total_steps else {}
     config_json = json.loads(cfg.to_json_best_effort())
-    extra = lambda done: {
+    save_extra = lambda done: {  # what a checkpoint records next to the state
         "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
         "val/accuracy_first": first_accuracy,
         "config": config_json,
@@ -443,12 +462,12 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
             writer.write(done, metrics)
             bar.update(metrics)
             consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
-            if ckpt.maybe_save(done, saved(state), extra(done)):
+            if ckpt.maybe_save(done, saved(state), save_extra(done)):
                 writer.flush()  # a resumed run does not redo the rows up to a checkpoint
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
                 break
     # the one way out (done, or preempted after step `done`): save, close, release
-    ckpt.save(done, saved(state), extra(done))  # no-op if already saved
+    ckpt.save(done, saved(state), save_extra(done))  # no-op if already saved
     ckpt.close()
     bar.close()
     writer.close()
