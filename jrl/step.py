@@ -864,9 +864,10 @@ def update_minibatch(spec: StepSpec, carry, xs):
         metrics.update(critic_metrics)
     if ok is not None:
         ok = ok & all_finite(metrics)
+    apply_actor = ok
     # a shared backbone trains through the value loss during warm-up (its pg loss is zeroed)
-    skip_actor = spec.cfg.critic.critic_warmup > 0 and not spec.shared
-    apply_actor = (ok if ok is not None else True) & actor_on if skip_actor else ok
+    if spec.cfg.critic.critic_warmup > 0 and not spec.shared:
+        apply_actor = actor_on if ok is None else ok & actor_on
     params, opt_state = apply_grads(spec.tx, grads, state.params, state.opt_state, apply_actor)
     state = state.replace(params=params, opt_state=opt_state)
     if critic_grads is not None:
@@ -905,21 +906,11 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     return state, jax.tree_util.tree_map(jnp.mean, metrics)
 
 
-def make_phases(
-    cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None
-):
-    """The three phases bound to the config's `StepSpec` (`make_spec` takes these arguments):
+def make_phases(*args, **kwargs):
+    """The three phases bound to the config's `StepSpec` (the arguments are `make_spec`'s):
     (generate, compute_advantages, update). The fused step chains them; the benchmark jits them
     one by one to time each."""
-    spec = make_spec(
-        cfg,
-        model_cfg,
-        reward_fn,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        max_new_tokens=max_new_tokens,
-        mesh=mesh,
-    )
+    spec = make_spec(*args, **kwargs)
     return tuple(functools.partial(f, spec) for f in (generate, compute_advantages, update))
 
 
@@ -967,21 +958,10 @@ def rl_step(spec: StepSpec, state: TrainState, prompts: Batch):
     return new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key), metrics
 
 
-def make_step(
-    cfg, model_cfg, reward_fn, *, eos_id: int, pad_id: int, max_new_tokens: int, mesh=None
-):
+def make_step(*args, **kwargs):
     """`step(state, prompts) -> (state, metrics)`, one function for `jax.jit`; `prompts` holds
     `prompts_per_step(cfg)` rows of the task batch. The arguments are `make_spec`'s."""
-    spec = make_spec(
-        cfg,
-        model_cfg,
-        reward_fn,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        max_new_tokens=max_new_tokens,
-        mesh=mesh,
-    )
-    return functools.partial(rl_step, spec)
+    return functools.partial(rl_step, make_spec(*args, **kwargs))
 
 
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:

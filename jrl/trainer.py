@@ -345,12 +345,14 @@ def open_checkpoints(cfg, workdir: str, inputs: dict, allow_changes: bool):
     return workdir_lib.Guarded(ckpt, ckpt.directory, ("save", "maybe_save", "wait", "close"))
 
 
-def start_or_resume(cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, abstract, state_sh, say):
+def start_or_resume(
+    cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
+):
     """(state, the checkpoint's extra or None, start step): the newest valid checkpoint's state
     (the warm-up is skipped: policy, critic and reference come from it; a LoRA base from
     model.hf_path is reloaded and checked), else a fresh state at step 0 from the warmed-up or
-    initial params, placed into `state_sh` (`abstract` is the state's shapes)."""
-    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    initial params (`key_init`'s), placed into `state_sh` by `init(params) -> state`
+    (`abstract` is the state's shapes)."""
     base_from_hf = lora_base_from_hf(cfg)
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
@@ -370,7 +372,6 @@ def start_or_resume(cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, abstract, 
         params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
     else:  # straight into the shards: no host holds the whole model
         params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
-    init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     # the initial params are donated: the state takes their buffers, no third copy
     return sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), None, 0
 
@@ -413,7 +414,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)
     base_from_hf = lora_base_from_hf(cfg)
     state, resumed, start = start_or_resume(
-        cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, abstract, state_sh, say
+        cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
     )
     metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
     if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
