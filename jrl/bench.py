@@ -7,7 +7,8 @@ step, no reference model):
   W1: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128, tied embeddings; 8 prompts x 4 samples x
       16 new tokens.
   W2: hidden 256, 4 layers, 8 heads, 4 KV heads, MLP 1024, tied embeddings; 16 prompts x 8
-      samples x 64 new tokens.
+      samples x 64 new tokens; the update in micro-batches of 16 rows (--micro_batch), gradients
+      summed into the one optimizer update.
 Every response is exactly the stated number of new tokens (EOS does not stop decoding), so the
 work per step does not depend on what the random model samples.
 
@@ -38,6 +39,11 @@ _WORKLOAD = flags.DEFINE_enum(
     "workload", "W1", sorted(benchmark.WORKLOADS), "Which fixed workload to run."
 )
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps after compilation (median reported).")
+_MICRO_BATCH = flags.DEFINE_integer(
+    "micro_batch",
+    None,
+    "Rows per forward / backward of the update instead of the workload's (0: all at once).",
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _MEMORY = flags.DEFINE_bool(
     "memory",
@@ -63,7 +69,7 @@ def main(argv):
             else "\n".join(f"{k:<28} {v}" for k, v in result.items())
         )
         return
-    result = benchmark.run(_WORKLOAD.value, _STEPS.value)
+    result = benchmark.run(_WORKLOAD.value, _STEPS.value, _MICRO_BATCH.value)
     if _JSON.value:
         print(json.dumps(result))
         return

@@ -35,11 +35,16 @@ WORKLOADS = {
         prompts=16,
         n=8,
         new_tokens=64,
+        # Rows per forward / backward of the update (gradients summed over the 8 micro-batches of
+        # the one optimizer update). On the 2-core CPU, 16 rows (~1.1k tokens) ran the update
+        # 1.25x faster than all 128 at once: each micro-batch's activations stay in cache.
+        micro_batch=16,
     ),
 }
 
 
-def workload_config(name: str):
+def workload_config(name: str, micro_batch: int | None = None):
+    """The workload's config; `micro_batch` overrides its update micro-batch (rows, 0: all)."""
     w = WORKLOADS[name]
     cfg = config_lib.base_config()
     cfg.model.update(w["model"])
@@ -50,6 +55,9 @@ def workload_config(name: str):
     cfg.rollout.n = w["n"]
     cfg.actor.ppo_mini_batch_size = w["prompts"]  # one optimizer update per step
     cfg.actor.ppo_epochs = 1
+    if micro_batch is None:
+        micro_batch = w.get("micro_batch", 0)
+    cfg.actor.ppo_micro_batch_size_per_device = micro_batch  # 0: the whole mini-batch at once
     config_lib.validate(cfg)
     return cfg
 
@@ -63,8 +71,8 @@ def _median_seconds(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def run(name: str, steps: int = 10) -> dict:
-    cfg = workload_config(name)
+def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
+    cfg = workload_config(name, micro_batch)
     w = WORKLOADS[name]
     tok = tokenizer_lib.char_tokenizer()
     task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
@@ -113,6 +121,7 @@ def run(name: str, steps: int = 10) -> dict:
         "jax": jax.__version__,
         "rows": rows,
         "new_tokens": w["new_tokens"],
+        "micro_batch": cfg.actor.ppo_micro_batch_size_per_device,
         "compile_s": round(compile_s, 3),
         "step_s_median": round(step_s, 5),
         "generated_tokens_per_s": round(generated / step_s, 1),

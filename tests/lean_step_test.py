@@ -370,3 +370,17 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_params, want_params
     )
+
+
+def test_bench_workload_micro_batch_and_its_override():
+    """W2's update runs in micro-batches of 16 of its 128 rows (one optimizer update); the
+    override (`--micro_batch`) replaces it, 0 meaning all rows at once; W1 has none."""
+    from jrl import benchmark
+
+    w2 = benchmark.workload_config("W2")
+    assert w2.data.train_batch_size * w2.rollout.n == 128
+    assert w2.actor.ppo_mini_batch_size == w2.data.train_batch_size  # one update per step
+    assert w2.actor.ppo_micro_batch_size_per_device == 16
+    assert benchmark.workload_config("W2", 0).actor.ppo_micro_batch_size_per_device == 0
+    assert benchmark.workload_config("W2", 32).actor.ppo_micro_batch_size_per_device == 32
+    assert benchmark.workload_config("W1").actor.ppo_micro_batch_size_per_device == 0
