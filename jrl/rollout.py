@@ -72,28 +72,36 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     greedy: bool = False,
+    samples: int = 1,
 ) -> Rollout:
-    """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS."""
+    """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
+
+    With `samples` = n > 1 the prompt arrays hold each prompt once and every prompt gets n
+    consecutive rows (`jnp.repeat` order, B = n x the prompts): a prompt's keys and values are
+    computed once and copied into its n rows' cache (a group's samples share the prompt)."""
     model = transformer.Transformer(model_cfg)
     params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
     variables = transformer.variables(params)
-    b, p = prompt_ids_BP.shape
+    b, p = prompt_ids_BP.shape[0] * samples, prompt_ids_BP.shape[1]
     r = max_new_tokens
     s = p + r
     slots = jnp.arange(s)
-    key_valid_BS = jnp.zeros((b, s), bool).at[:, :p].set(prompt_mask_BP.astype(bool))
-    positions_BP = transformer.positions_from_mask(prompt_mask_BP)
-
-    prefill_mask = key_valid_BS[:, None, :] & (slots[None, None, :] <= jnp.arange(p)[None, :, None])
+    rows = lambda x: jnp.repeat(x, samples, axis=0)  # per prompt -> per row
+    prompt_positions = transformer.positions_from_mask(prompt_mask_BP)  # [prompts, P]
+    prompt_valid = prompt_mask_BP.astype(bool)
+    prefill_mask = prompt_valid[:, None, :] & (slots[None, None, :p] <= jnp.arange(p)[:, None])
     # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
     # tensor axis, as the attention weights do; the decode loop keeps that layout.
     pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
-    cache = pin(transformer.init_cache(model_cfg, b, s))
-    # Prefill: keys / values of every prompt token, logits only at the last one.
-    out = model.apply(variables, prompt_ids_BP, positions_BP, prefill_mask, cache, 0)
-    last_logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-    cache = pin(out.cache)
-    first_pos_B = positions_BP[:, -1] + 1
+    # Prefill: keys / values of every prompt token (a cache of the P prompt slots), logits only
+    # at the last one; then each prompt's rows, with the R response slots appended.
+    prompt_cache = transformer.init_cache(model_cfg, prompt_ids_BP.shape[0], p)
+    out = model.apply(variables, prompt_ids_BP, prompt_positions, prefill_mask, prompt_cache, 0)
+    last_logits = rows(transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head))
+    pad = ((0, 0), (0, 0), (0, r), (0, 0))  # [B, K, S, D]: response slots after the prompt's
+    cache = pin(jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache))
+    key_valid_BS = jnp.pad(rows(prompt_valid), ((0, 0), (0, r)))
+    first_pos_B = rows(prompt_positions[:, -1] + 1)
 
     def cond(carry):
         t, _, _, done, *_ = carry

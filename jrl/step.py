@@ -555,9 +555,10 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
     out = rollout.generate(
         spec.model_cfg,
         params,
-        rows["input_ids"],
-        rows["attention_mask"],
+        prompts["input_ids"],
+        prompts["attention_mask"],
         key,
+        samples=n,
         max_new_tokens=spec.max_new_tokens,
         eos_id=spec.eos_id,
         pad_id=spec.pad_id,

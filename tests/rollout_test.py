@@ -104,3 +104,30 @@ def test_top_k_and_top_p_never_sample_outside_support():
             key, logits, temperature=1.0, greedy=False, **{"top_k": 0, "top_p": 1.0, **kw}
         )
         assert set(np.unique(np.asarray(tok)).tolist()) == allowed
+
+
+def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
+    """samples=n (each prompt once, prefilled once, its cache copied into n rows) samples what
+    the same prompts repeated n times (samples=1) sample under the same key: the same tokens and
+    masks, the same log-probs (float32 rounding apart)."""
+    n = 4
+    run = lambda ids, mask, samples: rollout.generate(
+        CFG,
+        params,
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jax.random.key(7),
+        max_new_tokens=R,
+        eos_id=EOS,
+        pad_id=PAD,
+        samples=samples,
+    )
+    once = jax.jit(run, static_argnums=2)(PROMPTS, PMASK, n)
+    rows = jax.jit(run, static_argnums=2)(np.repeat(PROMPTS, n, 0), np.repeat(PMASK, n, 0), 1)
+    assert once.response_ids.shape == (len(PROMPTS) * n, R)
+    np.testing.assert_array_equal(once.response_ids, rows.response_ids)
+    np.testing.assert_array_equal(once.response_mask, rows.response_mask)
+    np.testing.assert_allclose(once.log_probs, rows.log_probs, rtol=1e-5, atol=1e-6)
+    # the n samples of a prompt differ (they are samples, not copies)
+    ids = np.asarray(once.response_ids).reshape(len(PROMPTS), n, R)
+    assert any(len({tuple(r) for r in group}) > 1 for group in ids)
