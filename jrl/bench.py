@@ -12,10 +12,11 @@ step, no reference model):
 Every response is exactly the stated number of new tokens (EOS does not stop decoding), so the
 work per step does not depend on what the random model samples.
 
-Reported: compile time of the fused step, steady-state seconds per step (median of `--steps`
-steps after compile), tokens/s (generated tokens, and prompt + generated), and the split of a step
-into rollout + reward / log-probs + advantages / update, timed by jitting the same three phase
-functions (`jrl.step.make_phases`) separately.
+Reported: compile time of the fused step (with its first step), steady-state seconds per step
+(median of `--steps` steps after compile, the jitted step called as the trainer calls it), tokens/s
+(generated tokens, and prompt + generated), and the split of a step into rollout + reward /
+log-probs + advantages / update, timed by jitting the same three phase functions
+(`jrl.step.make_phases`) separately.
 
 `--memory` compiles (never runs) the fused step of a config on the current devices and its mesh
 with abstract inputs (no parameter is allocated) and reports XLA's compile-time memory analysis per
