@@ -1,0 +1,114 @@
+"""In-process A/B timing of a benchmark workload's phases (docs/performance.md).
+
+    python scripts/phase_ab.py --workload=W2 --micro_batches=0,16 [--rounds=5]
+    python scripts/phase_ab.py --workload=W2 --prefill
+
+The machine's speed drifts by 10-30% between processes on a shared CPU, more than most single
+changes buy, so the variants are compiled in one process and timed in alternating rounds (A B A B
+...); the medians of all rounds are printed.
+
+--micro_batches: the update phase (`jrl.step.make_phases`) with each `--micro_batch` of
+`python -m jrl.bench` (rows per forward / backward; 0: all rows at once).
+--prefill: the rollout (`jrl.rollout.generate`) with each prompt prefilled once for its n samples
+(`samples=n`) against the same prompts repeated n times and each row prefilled (`samples=1`);
+it also checks that both sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jrl import benchmark, rollout, trainer
+from jrl import step as step_lib
+from jrl import tokenizer as tokenizer_lib
+from jrl.data.arithmetic import ArithmeticTask
+from jrl.models import transformer
+from jrl.rewards import get_reward
+
+
+def _setup(name: str, micro_batch: int | None = None):
+    cfg = benchmark.workload_config(name, micro_batch)
+    w = benchmark.WORKLOADS[name]
+    tok = tokenizer_lib.char_tokenizer()
+    task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
+    model_cfg = trainer.model_config(cfg, len(tok))
+    ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
+    batch = jax.device_put(task.train_batch(0, w["prompts"]))
+    return cfg, model_cfg, ids, batch
+
+
+def update_variants(name: str, micro_batches: list[int]) -> dict:
+    """{"micro_batch=m": timed update} for each m, all on the same state and experience."""
+    cfg, model_cfg, ids, batch = _setup(name)
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    state = step_lib.init_state(
+        cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
+    )
+    key = jax.random.key(1)
+    generate, score, _ = (
+        jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, get_reward(cfg.task.reward), **ids)
+    )
+    scored, _, _ = score(state, generate(state, batch, key)[0])
+    variants = {}
+    for m in micro_batches:
+        cfg_m = benchmark.workload_config(name, m)
+        update = jax.jit(
+            step_lib.make_phases(cfg_m, model_cfg, get_reward(cfg_m.task.reward), **ids)[2]
+        )
+        variants[f"micro_batch={m}"] = lambda u=update: u(state, scored, key)
+    return variants
+
+
+def prefill_variants(name: str) -> dict:
+    """The workload's rollout with each prompt prefilled once, and with every row prefilled."""
+    cfg, model_cfg, ids, batch = _setup(name)
+    params = transformer.init_params(model_cfg, jax.random.key(0))
+    n, key = cfg.rollout.n, jax.random.key(1)
+    prompts, mask = batch["input_ids"], batch["attention_mask"]
+    once = jax.jit(lambda p: rollout.generate(model_cfg, p, prompts, mask, key, samples=n, **ids))
+    rows = jnp.repeat(prompts, n, 0), jnp.repeat(mask, n, 0)
+    every = jax.jit(lambda p: rollout.generate(model_cfg, p, *rows, key, **ids))
+    a, b = once(params), every(params)
+    same = bool(jnp.all(a.response_ids == b.response_ids))
+    print(f"same tokens with the prompt prefilled once and per row: {same}")
+    return {"prefill once": lambda: once(params), "prefill every row": lambda: every(params)}
+
+
+def alternate(variants: dict, rounds: int, reps: int) -> dict:
+    """Median seconds of each variant over `rounds` alternating rounds of `reps` calls."""
+    for f in variants.values():
+        jax.block_until_ready(f())  # compile
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, f in variants.items():
+            for _ in range(reps):
+                t = time.perf_counter()
+                jax.block_until_ready(f())
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="W2", choices=sorted(benchmark.WORKLOADS))
+    parser.add_argument("--micro_batches", default="0,16", help="comma-separated rows, 0: all")
+    parser.add_argument("--prefill", action="store_true", help="time the rollout's prefill")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3, help="calls per variant per round")
+    args = parser.parse_args()
+    if args.prefill:
+        variants = prefill_variants(args.workload)
+    else:
+        micro = [int(m) for m in args.micro_batches.split(",")]
+        variants = update_variants(args.workload, micro)
+    for k, s in alternate(variants, args.rounds, args.reps).items():
+        print(f"{args.workload} {k:<20} median {s:.4f} s")
+
+
+if __name__ == "__main__":
+    main()
