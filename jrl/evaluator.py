@@ -56,9 +56,10 @@ def make_sampled_scores(
         out = rollout.generate(
             model_cfg,
             params,
-            rows["input_ids"],
-            rows["attention_mask"],
+            batch["input_ids"],
+            batch["attention_mask"],
             key,
+            samples=k,
             max_new_tokens=max_new_tokens,
             eos_id=eos_id,
             pad_id=pad_id,

@@ -82,20 +82,19 @@ def generate(
     model = transformer.Transformer(model_cfg)
     params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
     variables = transformer.variables(params)
-    b, p = prompt_ids_BP.shape[0] * samples, prompt_ids_BP.shape[1]
-    r = max_new_tokens
-    s = p + r
-    slots = jnp.arange(s)
+    prompts, p = prompt_ids_BP.shape
+    b, r = prompts * samples, max_new_tokens
+    slots = jnp.arange(p + r)
     rows = lambda x: jnp.repeat(x, samples, axis=0)  # per prompt -> per row
     prompt_positions = transformer.positions_from_mask(prompt_mask_BP)  # [prompts, P]
     prompt_valid = prompt_mask_BP.astype(bool)
-    prefill_mask = prompt_valid[:, None, :] & (slots[None, None, :p] <= jnp.arange(p)[:, None])
+    prefill_mask = prompt_valid[:, None, :] & jnp.tril(jnp.ones((p, p), bool))  # causal
     # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
     # tensor axis, as the attention weights do; the decode loop keeps that layout.
     pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
     # Prefill: keys / values of every prompt token (a cache of the P prompt slots), logits only
     # at the last one; then each prompt's rows, with the R response slots appended.
-    prompt_cache = transformer.init_cache(model_cfg, prompt_ids_BP.shape[0], p)
+    prompt_cache = transformer.init_cache(model_cfg, prompts, p)
     out = model.apply(variables, prompt_ids_BP, prompt_positions, prefill_mask, prompt_cache, 0)
     last_logits = rows(transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head))
     pad = ((0, 0), (0, 0), (0, r), (0, 0))  # [B, K, S, D]: response slots after the prompt's
