@@ -47,13 +47,23 @@ def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
     return logits_BV
 
 
-def sample_token(key, logits_BV, *, temperature: float, top_k: int, top_p: float, greedy: bool):
-    """Draws one token per row; returns (token [B], log-prob [B] under softmax(logits / T))."""
+def sample_token(u_B, logits_BV, *, temperature: float, top_k: int, top_p: float, greedy: bool):
+    """Draws one token per row by inverse-CDF sampling: row b takes the first token whose
+    cumulative probability (of the filtered, temperature-scaled softmax) exceeds its uniform
+    u_B[b] in [0, 1). Returns (token [B] int32, log-prob [B] under softmax(logits / T)).
+
+    One uniform per row instead of a Gumbel draw per logit: on XLA:CPU drawing B x V threefry bits
+    every decode step cost more than the rest of a small model's step. Tokens outside the
+    top-k / top-p support have probability 0 and are never drawn."""
     logits_BV = logits_BV / temperature
     if greedy:
         token = jnp.argmax(logits_BV, axis=-1)
     else:
-        token = jax.random.categorical(key, filter_logits(logits_BV, top_k, top_p), axis=-1)
+        kept = filter_logits(logits_BV, top_k, top_p)
+        probs = jnp.exp(kept - jnp.max(kept, axis=-1, keepdims=True))  # unnormalised
+        cdf = jax.lax.associative_scan(jnp.add, probs, axis=-1)
+        threshold = (1.0 - u_B) * cdf[:, -1]  # in (0, total]: a zero-probability token never wins
+        token = jnp.sum(cdf < threshold[:, None], axis=-1)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
     return token.astype(jnp.int32), logp
 
@@ -102,6 +112,8 @@ def generate(
     key_valid_BS = jnp.pad(rows(prompt_valid), ((0, 0), (0, r)))
     first_pos_B = rows(prompt_positions[:, -1] + 1)
 
+    uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
+
     def cond(carry):
         t, _, _, done, *_ = carry
         return (t < r) & ~jnp.all(done)
@@ -109,7 +121,7 @@ def generate(
     def body(carry):
         t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
         token, logp = sample_token(
-            jax.random.fold_in(key, t),
+            uniforms_RB[t],
             logits_BV,
             temperature=temperature,
             top_k=top_k,

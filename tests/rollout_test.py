@@ -98,12 +98,38 @@ def test_filter_logits_support():
 
 def test_top_k_and_top_p_never_sample_outside_support():
     logits = jnp.tile(jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])), (4096, 1))
-    key = jax.random.key(0)
+    u = jax.random.uniform(jax.random.key(0), (4096,))
     for kw, allowed in (({"top_k": 2}, {1, 3}), ({"top_p": 0.75}, {1, 3, 4}), ({}, set(range(5)))):
         tok, _ = rollout.sample_token(
-            key, logits, temperature=1.0, greedy=False, **{"top_k": 0, "top_p": 1.0, **kw}
+            u, logits, temperature=1.0, greedy=False, **{"top_k": 0, "top_p": 1.0, **kw}
         )
         assert set(np.unique(np.asarray(tok)).tolist()) == allowed
+
+
+def test_sample_token_inverts_the_cdf():
+    """probs [0.05, 0.4, 0.1, 0.3, 0.15] have the CDF [0.05, 0.45, 0.55, 0.85, 1.0]; a row with
+    uniform u draws the first token whose CDF exceeds 1 - u (by hand below). With top-k 2 the
+    renormalised support is {1: 4/7, 3: 3/7}, CDF 4/7 at token 1."""
+    logits = jnp.tile(jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])), (6, 1))
+    u = jnp.array([0.99, 0.9, 0.6, 0.5, 0.2, 0.0])  # 1 - u = 0.01, 0.1, 0.4, 0.5, 0.8, 1.0
+    kw = dict(temperature=1.0, top_p=1.0, greedy=False)
+    tok, logp = rollout.sample_token(u, logits, top_k=0, **kw)
+    np.testing.assert_array_equal(tok, [0, 1, 1, 2, 3, 4])
+    np.testing.assert_allclose(logp, np.log([0.05, 0.4, 0.4, 0.1, 0.3, 0.15]), rtol=1e-5)
+    tok, _ = rollout.sample_token(u, logits, top_k=2, **kw)  # 1 - u < 4/7 -> 1, else 3
+    np.testing.assert_array_equal(tok, [1, 1, 1, 1, 3, 3])
+
+
+def test_sampled_frequencies_follow_the_tempered_softmax():
+    """20k draws at temperature 2 of logits log p: frequencies ~ p^(1/2), normalised."""
+    p = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+    n = 20000
+    logits = jnp.tile(jnp.log(jnp.asarray(p)), (n, 1))
+    u = jax.random.uniform(jax.random.key(3), (n,))
+    tok, _ = rollout.sample_token(u, logits, temperature=2.0, top_k=0, top_p=1.0, greedy=False)
+    want = np.sqrt(p) / np.sqrt(p).sum()
+    got = np.bincount(np.asarray(tok), minlength=5) / n
+    np.testing.assert_allclose(got, want, atol=0.015)  # ~4 standard errors
 
 
 def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
