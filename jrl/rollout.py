@@ -114,12 +114,8 @@ def generate(
 
     uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
 
-    def cond(carry):
-        t, _, _, done, *_ = carry
-        return (t < r) & ~jnp.all(done)
-
-    def body(carry):
-        t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
+    def record(t, logits_BV, done, ids, mask, logps):
+        """Samples response token t of every live row (pad for a finished one) into the arrays."""
         token, logp = sample_token(
             uniforms_RB[t],
             logits_BV,
@@ -133,7 +129,17 @@ def generate(
         ids = ids.at[:, t].set(token)
         mask = mask.at[:, t].set(live.astype(jnp.int32))
         logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
-        done = done | (token == eos_id)
+        return token, done | (token == eos_id), ids, mask, logps
+
+    # The loop samples tokens 0 .. R-2, each followed by its forward (the next token's logits);
+    # the last token needs no forward, so it is sampled after the loop.
+    def cond(carry):
+        t, _, _, done, *_ = carry
+        return (t < r - 1) & ~jnp.all(done)
+
+    def body(carry):
+        t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
+        token, done, ids, mask, logps = record(t, logits_BV, done, ids, mask, logps)
         key_valid = key_valid.at[:, p + t].set(True)
         step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
         out = model.apply(
@@ -152,5 +158,7 @@ def generate(
         jnp.zeros((b, r), jnp.int32),
         jnp.zeros((b, r), jnp.float32),
     )
-    _, _, _, _, _, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
+    t, logits_BV, _, done, _, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
+    # t = R - 1, or earlier when every row has finished (then this writes pads over pads)
+    _, _, ids, mask, logps = record(t, logits_BV, done, ids, mask, logps)
     return Rollout(ids, mask, logps)
