@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -71,7 +72,19 @@ def _median_seconds(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
+class Workload(NamedTuple):
+    """A workload ready to run: its config, model, reward, sampling ids, first state and prompts."""
+
+    cfg: Any
+    model_cfg: transformer.ModelConfig
+    reward_fn: Any
+    ids: dict  # eos_id / pad_id / max_new_tokens of `step.make_step`
+    state: step_lib.TrainState
+    batch: dict  # the prompts of one step, on the device
+
+
+def setup(name: str, micro_batch: int | None = None) -> Workload:
+    """Workload `name` (`workload_config`) with a random-initialised model and its first prompts."""
     cfg = workload_config(name, micro_batch)
     w = WORKLOADS[name]
     tok = tokenizer_lib.char_tokenizer()
@@ -79,12 +92,17 @@ def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
     model_cfg = trainer.model_config(cfg, len(tok))
     # eos_id=-1: no row ever stops early, so every step decodes exactly `new_tokens` tokens.
     ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
-    reward_fn = get_reward(cfg.task.reward)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     state = step_lib.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
     )
     batch = jax.device_put(task.train_batch(0, w["prompts"]))
+    return Workload(cfg, model_cfg, get_reward(cfg.task.reward), ids, state, batch)
+
+
+def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
+    cfg, model_cfg, reward_fn, ids, state, batch = setup(name, micro_batch)
+    w = WORKLOADS[name]
 
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
     t = time.perf_counter()

@@ -23,51 +23,30 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jrl import benchmark, rollout, trainer
+from jrl import benchmark, rollout
 from jrl import step as step_lib
-from jrl import tokenizer as tokenizer_lib
-from jrl.data.arithmetic import ArithmeticTask
-from jrl.models import transformer
-from jrl.rewards import get_reward
-
-
-def _setup(name: str, micro_batch: int | None = None):
-    cfg = benchmark.workload_config(name, micro_batch)
-    w = benchmark.WORKLOADS[name]
-    tok = tokenizer_lib.char_tokenizer()
-    task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
-    model_cfg = trainer.model_config(cfg, len(tok))
-    ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
-    batch = jax.device_put(task.train_batch(0, w["prompts"]))
-    return cfg, model_cfg, ids, batch
 
 
 def update_variants(name: str, micro_batches: list[int]) -> dict:
     """{"micro_batch=m": timed update} for each m, all on the same state and experience."""
-    cfg, model_cfg, ids, batch = _setup(name)
-    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    state = step_lib.init_state(
-        cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
-    )
+    cfg, model_cfg, reward_fn, ids, state, batch = benchmark.setup(name)
     key = jax.random.key(1)
     generate, score, _ = (
-        jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, get_reward(cfg.task.reward), **ids)
+        jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
     )
     scored, _, _ = score(state, generate(state, batch, key)[0])
     variants = {}
     for m in micro_batches:
         cfg_m = benchmark.workload_config(name, m)
-        update = jax.jit(
-            step_lib.make_phases(cfg_m, model_cfg, get_reward(cfg_m.task.reward), **ids)[2]
-        )
+        update = jax.jit(step_lib.make_phases(cfg_m, model_cfg, reward_fn, **ids)[2])
         variants[f"micro_batch={m}"] = lambda u=update: u(state, scored, key)
     return variants
 
 
 def prefill_variants(name: str) -> dict:
     """The workload's rollout with each prompt prefilled once, and with every row prefilled."""
-    cfg, model_cfg, ids, batch = _setup(name)
-    params = transformer.init_params(model_cfg, jax.random.key(0))
+    cfg, model_cfg, _, ids, state, batch = benchmark.setup(name)
+    params = state.params
     n, key = cfg.rollout.n, jax.random.key(1)
     prompts, mask = batch["input_ids"], batch["attention_mask"]
     once = jax.jit(lambda p: rollout.generate(model_cfg, p, prompts, mask, key, samples=n, **ids))

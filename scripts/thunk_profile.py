@@ -24,25 +24,12 @@ import jax
 
 from jrl import benchmark
 from jrl import step as step_lib
-from jrl import tokenizer as tokenizer_lib
-from jrl import trainer
-from jrl.data.arithmetic import ArithmeticTask
-from jrl.models import transformer
-from jrl.rewards import get_reward
 
 
 def _step(name: str):
-    cfg, w = benchmark.workload_config(name), benchmark.WORKLOADS[name]
-    tok = tokenizer_lib.char_tokenizer()
-    task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
-    model_cfg = trainer.model_config(cfg, len(tok))
-    ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
-    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    params = transformer.init_params(model_cfg, key_init)
-    state = step_lib.init_state(cfg, model_cfg, params, key_state)
-    batch = jax.device_put(task.train_batch(0, w["prompts"]))
-    make = step_lib.make_step(cfg, model_cfg, get_reward(cfg.task.reward), **ids)
-    return jax.jit(make, donate_argnums=0), state, batch
+    w = benchmark.setup(name)
+    step = step_lib.make_step(w.cfg, w.model_cfg, w.reward_fn, **w.ids)
+    return jax.jit(step, donate_argnums=0), w.state, w.batch
 
 
 def _op_names(hlo: str) -> dict[str, tuple[str, str]]:
