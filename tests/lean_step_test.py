@@ -108,17 +108,28 @@ def test_chunked_log_probs_hold_no_full_logits():
     assert temp_bytes(32) < min(8 * chunk_logits, full_logits / 2)  # a few chunks' worth
 
 
+# Both kinds of layer, each with its own rotary theta (Gemma 3): the scan over layers then
+# selects a layer's window and rotary tables from a traced flag.
+MIXED_CFG = dataclasses.replace(
+    CFG,
+    sliding_window=3,
+    layer_types=("sliding_attention", "full_attention"),
+    rope_local_base_freq=100.0,
+)
+
+
 @pytest.mark.parametrize("remat", ["block", "dots"])
-def test_remat_gives_the_same_values_and_gradients(remat):
+@pytest.mark.parametrize("base", [CFG, MIXED_CFG], ids=["llama", "mixed-layers"])
+def test_remat_gives_the_same_values_and_gradients(remat, base):
     prompt, pmask, resp, rmask = _batch()
-    params = tfm.init_params(CFG, jax.random.key(0))
+    params = tfm.init_params(base, jax.random.key(0))
 
     def loss(cfg, p):
         out = step_lib.response_outputs(cfg, p, prompt, pmask, resp, rmask, 1.0, True)
         return jnp.sum((out["log_prob"] + 0.1 * out["entropy"]) * rmask)
 
-    want_v, want_g = jax.value_and_grad(lambda p: loss(CFG, p))(params)
-    got_v, got_g = jax.value_and_grad(lambda p: loss(dataclasses.replace(CFG, remat=remat), p))(
+    want_v, want_g = jax.value_and_grad(lambda p: loss(base, p))(params)
+    got_v, got_g = jax.value_and_grad(lambda p: loss(dataclasses.replace(base, remat=remat), p))(
         params
     )
     np.testing.assert_allclose(got_v, want_v, rtol=1e-6)

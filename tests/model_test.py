@@ -201,6 +201,28 @@ def test_rope_rotates_pairs_half_apart():
     np.testing.assert_allclose(y, want, rtol=1e-6)
 
 
+def test_rope_tables_gather_the_rotation_of_each_kind_of_layer():
+    """The forward's tabulated cos / sin, gathered at positions, rotate as `rope` with each layer
+    kind's own theta (Gemma 3: the sliding layers' local base frequency)."""
+    cfg = tfm.ModelConfig(
+        vocab_size=11,
+        head_dim=8,
+        sliding_window=4,
+        layer_types=("sliding_attention", "full_attention"),
+        rope_theta=1000.0,
+        rope_local_base_freq=10.0,
+    )
+    positions = jnp.array([[0, 1, 2, 9], [5, 5, 6, 7]])
+    tables = tfm.rope_tables(cfg, positions, 10)
+    x = jax.random.normal(jax.random.key(0), (2, 4, 3, 8))
+    for sliding, theta in ((True, 10.0), (False, 1000.0)):
+        cos, sin = tfm._layer_rope(tables, sliding)
+        want = tfm.rope(x, positions, theta)
+        np.testing.assert_allclose(tfm.rotate(x, cos, sin), want, atol=1e-6)
+    # one table when every layer shares its frequencies
+    assert len(tfm.rope_tables(CFG, positions, 10)) == 1
+
+
 @pytest.mark.parametrize("cfg", [CFG, GEMMA_CFG], ids=["llama", "gemma"])
 def test_every_parameter_has_logical_axes(cfg):
     axes = tfm.logical_axes(cfg)

@@ -15,8 +15,8 @@ The decoder blocks' parameters are stacked: `params["layers"]` is one block's tr
 leading [num_layers] axis (logical name "layers"; `jrl.models.hf` maps layer i to Hugging Face's
 `model.layers.{i}.*`). With `remat` the full forward runs the blocks as a `scan` over that axis
 (one block compiled, not num_layers; each iteration keeps only its input for the backward,
-which a loop guarantees on every backend); what differs between layers besides weights (rope
-frequencies, sliding window or not) goes in as scanned inputs (`layer_inputs`). Without remat
+which a loop guarantees on every backend); whether a layer slides its window goes in as a
+scanned input, the forward's rotary tables (`rope_tables`) as a broadcast one. Without remat
 (small models: faster on CPU) and in the rollout (each layer with its own KV cache) the layers
 run one by one.
 
@@ -224,18 +224,47 @@ class ModelConfig:
         return self.layer_types is None or self.layer_types[layer] == SLIDING_ATTENTION
 
 
-def rope_inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
-    """Inverse rotary frequencies [D/2] (float32) of `layer`.
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
+    """Inverse rotary frequencies [D/2] (float32) of a full (or, with `sliding`, a sliding) layer.
 
-    theta^(-2i/D) with the configured scaling; a sliding layer of a model with
-    `rope_local_base_freq` uses that theta instead, unscaled (Gemma 3's local layers).
+    theta^(-2i/D) with the configured scaling; the sliding layers of a model with
+    `rope_local_base_freq` use that theta instead, unscaled (Gemma 3's local layers).
     """
     d = cfg.head_size
     exponents = np.arange(0, d, 2, dtype=np.float64) / d
-    if cfg.rope_local_base_freq is not None and cfg.is_sliding(layer):
+    if cfg.rope_local_base_freq is not None and sliding:
         return (1.0 / cfg.rope_local_base_freq**exponents).astype(np.float32)
     inv_freq = 1.0 / cfg.rope_theta**exponents
     return ROPE_SCALINGS.get(cfg.rope_scaling_type)(inv_freq, cfg).astype(np.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions_BL, length: int) -> dict:
+    """The rotary embedding's cos and sin at `positions` [B, L] (each in [0, length)):
+    {sliding: (cos, sin)}, each [B, L, 1, D] float32, one entry per distinct set of frequencies
+    (two only for a model with both kinds of layer and `rope_local_base_freq`, Gemma 3; see
+    `_layer_rope`). The angles of positions 0..length-1 are tabulated at trace time (float32
+    products, as HF computes them) and the tables gathered at `positions`, once per forward for
+    every layer: computed from the positions in the graph, XLA:CPU fused a sin and a cos into
+    the rotation of every query and key element of every layer, forward and backward, where
+    they cost ~8x the rotation itself."""
+    kinds = cfg.layer_kinds() if cfg.rope_local_base_freq is not None else (False,)
+    out = {}
+    for sliding in kinds:
+        angles = np.arange(length, dtype=np.float32)[:, None] * rope_inv_freq(cfg, sliding)
+        angles = np.concatenate([angles, angles], -1)  # [length, D]
+        gather = lambda t: jnp.take(jnp.asarray(t), positions_BL, axis=0, mode="clip")[:, :, None]
+        out[sliding] = gather(np.cos(angles)), gather(np.sin(angles))
+    return out
+
+
+def _layer_rope(rope: dict, sliding):
+    """A layer's (cos, sin) from `rope_tables`; `sliding` is a bool, or traced in the scan over
+    the layers of a model with both kinds (then a select between the two tables)."""
+    if len(rope) == 1:
+        return next(iter(rope.values()))
+    if isinstance(sliding, (bool, np.bool_)):
+        return rope[bool(sliding)]
+    return jax.tree.map(lambda s, f: jnp.where(sliding, s, f), rope[True], rope[False])
 
 
 def _activation(x, *last_axes):
@@ -290,15 +319,20 @@ class RMSNorm(nn.Module):
         return (y * (scale.astype(jnp.float32) + float(offset))).astype(x.dtype)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half rotary embedding. x [B, L, heads, D], positions [B, L], inv_freq [D/2]."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([freqs, freqs], -1))[:, :, None, :]
+def rotate(x, cos, sin):
+    """Rotate-half rotary embedding of x [B, L, heads, D] by angles whose cos and sin
+    (float32) broadcast against it."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half rotary embedding. x [B, L, heads, D], positions [B, L], inv_freq [D/2]."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    freqs = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
+    return rotate(x, jnp.cos(freqs), jnp.sin(freqs))
 
 
 def rope(x, positions, theta):
@@ -321,13 +355,6 @@ def sliding_window_mask(window: int, query_len: int, key_len: int, cache_index=N
     return jnp.arange(key_len)[None, :] > q_slot[:, None] - window
 
 
-def layer_inputs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """What differs between layers besides their weights: rope inverse frequencies [L, D/2]
-    (float32) and whether each layer attends through the sliding window [L] (bool)."""
-    inv_freq = np.stack([rope_inv_freq(cfg, i) for i in range(cfg.num_layers)])
-    return inv_freq, np.array([cfg.is_sliding(i) for i in range(cfg.num_layers)])
-
-
 def _by_kind(cfg: ModelConfig, sliding, attend):
     """attend(window) of a layer: window = cfg.sliding_window on a sliding layer, else None.
     `sliding` is a bool, or traced inside the scan over the layers of a model that has both
@@ -343,9 +370,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(
-        self, x_BLH, positions_BL, mask_BLS, inv_freq, sliding, cache=None, cache_index=None
-    ):
+    def __call__(self, x_BLH, rope, mask_BLS, sliding, cache=None, cache_index=None):
         cfg = self.cfg
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_size
         dt = jnp.dtype(cfg.dtype)
@@ -365,7 +390,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg, "head_dim", name="q_norm")(q)
             kk = RMSNorm(cfg, "head_dim", name="k_norm")(kk)
-        q, kk = apply_rope(q, positions_BL, inv_freq), apply_rope(kk, positions_BL, inv_freq)
+        cos, sin = _layer_rope(rope, sliding)
+        q, kk = rotate(q, cos, sin), rotate(kk, cos, sin)
         v = proj("v_proj", k, "kv_heads")
         new_cache = None
         if cache is not None:  # head-major [B, K, S, D]: written at slot cache_index
@@ -442,21 +468,20 @@ class Block(nn.Module):
     post_attention_layernorm, Gemma's pre_feedforward_layernorm), "attn_out_norm" / "mlp_out_norm"
     on the outputs (Gemma's post_attention_layernorm / post_feedforward_layernorm).
 
-    `layer` = (rope inverse frequencies [D/2], sliding or not) of this layer (`layer_inputs`).
+    `sliding`: whether this layer attends through the sliding window (`_by_kind`); `rope`: the
+    forward's `rope_tables`.
     Returns (x, the layer's updated KV cache or None): the form of a `scan` body over layers.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, layer, positions, mask=None, cache=None, cache_index=None):
+    def __call__(self, x, sliding, rope, mask=None, cache=None, cache_index=None):
         cfg = self.cfg
-        inv_freq, sliding = layer
         a, cache = Attention(cfg, name="attn")(
             RMSNorm(cfg, name="input_norm")(x),
-            positions,
+            rope,
             mask,
-            inv_freq,
             sliding,
             cache,
             cache_index,
@@ -492,7 +517,10 @@ class Transformer(nn.Module):
         x = _activation(jnp.take(embed, input_ids_BL, axis=0).astype(dt))
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
-        inv_freq, sliding = layer_inputs(cfg)
+        sliding = np.array([cfg.is_sliding(i) for i in range(cfg.num_layers)])
+        # positions lie before the end of the input, or of the cache when there is one
+        length = input_ids_BL.shape[1] if cache is None else cache[0]["k"].shape[2]
+        rope = rope_tables(cfg, positions_BL, length)
         policy = REMAT_POLICIES.get(cfg.remat)
         if self.is_initializing() or (cache is None and policy is not None):
             # A scan over the layers, each rematerialised: the backward keeps only each layer's
@@ -506,7 +534,7 @@ class Transformer(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = layers(cfg, name="layers")(x, (inv_freq, sliding), positions_BL, mask_BLS)
+            x, _ = layers(cfg, name="layers")(x, sliding, rope, mask_BLS)
         else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
             layers = self.variables["params"]["layers"]
             adapters = self.variables.get("lora", {}).get("layers")
@@ -522,8 +550,8 @@ class Transformer(nn.Module):
                 x, c = Block(cfg).apply(
                     block_vars,
                     x,
-                    (inv_freq[i], bool(sliding[i])),
-                    positions_BL,
+                    bool(sliding[i]),
+                    rope,
                     mask_BLS,
                     None if cache is None else cache[i],
                     cache_index,
