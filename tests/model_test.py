@@ -185,11 +185,25 @@ def test_gqa_with_one_kv_head_per_query_head_matches_repeated_kv(params):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def _rope_reference(x, positions, theta):
+    """Rotate-half RoPE in NumPy: dims (i, i + D/2) of x [B, L, H, D] rotate by the angle
+    position * theta^(-2i/D), the angle's product taken in float32 as HF takes it."""
+    x = np.asarray(x, np.float64)
+    h = x.shape[-1] // 2
+    inv_freq = (1.0 / theta ** (np.arange(0, 2 * h, 2) / (2 * h))).astype(np.float32)
+    angles = (np.asarray(positions, np.float32)[..., None] * inv_freq)[:, :, None, :]
+    cos, sin = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 def test_rope_rotates_pairs_half_apart():
     """Rotate-half RoPE on a hand-made vector: dims (i, i + D/2) rotate by pos * theta^(-2i/D)."""
     d, theta, pos = 4, 100.0, 3
+    cfg = tfm.ModelConfig(vocab_size=5, num_heads=1, num_kv_heads=1, head_dim=d, rope_theta=theta)
     x = jnp.arange(1.0, 5.0).reshape(1, 1, 1, d)
-    y = np.asarray(tfm.rope(x, jnp.array([[pos]]), theta))[0, 0, 0]
+    cos, sin = tfm._layer_rope(tfm.rope_tables(cfg, jnp.array([[pos]]), pos + 1), False)
+    y = np.asarray(tfm.rotate(x, cos, sin))[0, 0, 0]
     freqs = pos * theta ** (-np.arange(0, d, 2) / d)
     x = np.arange(1.0, 5.0)
     want = np.concatenate(
@@ -202,8 +216,8 @@ def test_rope_rotates_pairs_half_apart():
 
 
 def test_rope_tables_gather_the_rotation_of_each_kind_of_layer():
-    """The forward's tabulated cos / sin, gathered at positions, rotate as `rope` with each layer
-    kind's own theta (Gemma 3: the sliding layers' local base frequency)."""
+    """The forward's tabulated cos / sin, gathered at positions, rotate as the NumPy reference
+    with each layer kind's own theta (Gemma 3: the sliding layers' local base frequency)."""
     cfg = tfm.ModelConfig(
         vocab_size=11,
         head_dim=8,
@@ -217,7 +231,7 @@ def test_rope_tables_gather_the_rotation_of_each_kind_of_layer():
     x = jax.random.normal(jax.random.key(0), (2, 4, 3, 8))
     for sliding, theta in ((True, 10.0), (False, 1000.0)):
         cos, sin = tfm._layer_rope(tables, sliding)
-        want = tfm.rope(x, positions, theta)
+        want = _rope_reference(x, positions, theta)
         np.testing.assert_allclose(tfm.rotate(x, cos, sin), want, atol=1e-6)
     # one table when every layer shares its frequencies
     assert len(tfm.rope_tables(CFG, positions, 10)) == 1

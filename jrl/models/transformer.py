@@ -248,11 +248,11 @@ def rope_tables(cfg: ModelConfig, positions_BL, length: int) -> dict:
     the rotation of every query and key element of every layer, forward and backward, where
     they cost ~8x the rotation itself."""
     kinds = cfg.layer_kinds() if cfg.rope_local_base_freq is not None else (False,)
+    gather = lambda t: jnp.take(jnp.asarray(t), positions_BL, axis=0, mode="clip")[:, :, None]
     out = {}
     for sliding in kinds:
         angles = np.arange(length, dtype=np.float32)[:, None] * rope_inv_freq(cfg, sliding)
         angles = np.concatenate([angles, angles], -1)  # [length, D]
-        gather = lambda t: jnp.take(jnp.asarray(t), positions_BL, axis=0, mode="clip")[:, :, None]
         out[sliding] = gather(np.cos(angles)), gather(np.sin(angles))
     return out
 
@@ -326,20 +326,6 @@ def rotate(x, cos, sin):
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half rotary embedding. x [B, L, heads, D], positions [B, L], inv_freq [D/2]."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    freqs = jnp.concatenate([freqs, freqs], -1)[:, :, None, :]
-    return rotate(x, jnp.cos(freqs), jnp.sin(freqs))
-
-
-def rope(x, positions, theta):
-    """Rotary embedding, the rotate-half convention of HF Llama. x [B, L, heads, D],
-    positions [B, L]."""
-    d = x.shape[-1]
-    return apply_rope(x, positions, 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
 
 
 def softcap(x, cap: float | None):
