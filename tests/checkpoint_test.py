@@ -383,15 +383,20 @@ def test_second_signal_exits_at_once_and_keeps_committed_checkpoints(tmp_path, c
     # The child starts saving step 2 and is killed before orbax commits it: the commit (the
     # rename of the tmp directory) is held back, so the kill lands at the worst moment, with all
     # of step 2's files written but not committed.
+    # The child reports "ready" only once the save has reached the commit: before that, a kill
+    # could land before orbax had created the tmp directory at all.
     before_loop = """
-    import asyncio
+    import asyncio, threading
     from orbax.checkpoint._src.path import async_path
     real_rename = async_path.rename
+    at_commit = threading.Event()
     async def slow_rename(*a, **k):
+        at_commit.set()
         await asyncio.sleep(60)
         return await real_rename(*a, **k)
     async_path.rename = slow_rename
     ck.save(2, {"w": jnp.ones((256, 256)), "step": jnp.int32(2), "key": state["key"]}, {})
+    assert at_commit.wait(60), "the save of step 2 never reached its commit"
     """
     proc = _start(tmp_path, before_loop=before_loop, step_seconds=60)
     t0 = time.monotonic()
