@@ -95,22 +95,14 @@ def generate(
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     slots = jnp.arange(p + r)
-    rows = lambda x: jnp.repeat(x, samples, axis=0)  # per prompt -> per row
-    prompt_positions = transformer.positions_from_mask(prompt_mask_BP)  # [prompts, P]
-    prompt_valid = prompt_mask_BP.astype(bool)
-    prefill_mask = prompt_valid[:, None, :] & jnp.tril(jnp.ones((p, p), bool))  # causal
     # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
     # tensor axis, as the attention weights do; the decode loop keeps that layout.
     pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
-    # Prefill: keys / values of every prompt token (a cache of the P prompt slots), logits only
-    # at the last one; then each prompt's rows, with the R response slots appended.
-    prompt_cache = transformer.init_cache(model_cfg, prompts, p)
-    out = model.apply(variables, prompt_ids_BP, prompt_positions, prefill_mask, prompt_cache, 0)
-    last_logits = rows(transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head))
-    pad = ((0, 0), (0, 0), (0, r), (0, 0))  # [B, K, S, D]: response slots after the prompt's
-    cache = pin(jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache))
-    key_valid_BS = jnp.pad(rows(prompt_valid), ((0, 0), (0, r)))
-    first_pos_B = rows(prompt_positions[:, -1] + 1)
+    # Prefill: keys / values of every prompt token, once per prompt, copied into its rows' cache
+    # with the R response slots appended; logits only at the last prompt token.
+    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
+    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
+    cache, first_pos_B = pin(pre.cache), pre.first_position
 
     uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
 
@@ -138,27 +130,26 @@ def generate(
         return (t < r - 1) & ~jnp.all(done)
 
     def body(carry):
-        t, logits_BV, cache, done, key_valid, ids, mask, logps = carry
+        t, logits_BV, cache, done, ids, mask, logps = carry
         token, done, ids, mask, logps = record(t, logits_BV, done, ids, mask, logps)
-        key_valid = key_valid.at[:, p + t].set(True)
-        step_mask = key_valid[:, None, :] & (slots <= p + t)[None, None, :]
+        # the real prompt slots and the response slots written so far (this token's included)
+        step_mask = pre.key_valid[:, None, :] & (slots <= p + t)[None, None, :]
         out = model.apply(
             variables, token[:, None], (first_pos_B + t)[:, None], step_mask, cache, p + t
         )
         logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-        return t + 1, logits, pin(out.cache), done, key_valid, ids, mask, logps
+        return t + 1, logits, pin(out.cache), done, ids, mask, logps
 
     carry = (
         jnp.int32(0),
         last_logits,
         cache,
         jnp.zeros((b,), bool),
-        key_valid_BS,
         jnp.full((b, r), pad_id, jnp.int32),
         jnp.zeros((b, r), jnp.int32),
         jnp.zeros((b, r), jnp.float32),
     )
-    t, logits_BV, _, done, _, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
+    t, logits_BV, _, done, ids, mask, logps = jax.lax.while_loop(cond, body, carry)
     # t = R - 1, or earlier when every row has finished (then this writes pads over pads)
     _, _, ids, mask, logps = record(t, logits_BV, done, ids, mask, logps)
     return Rollout(ids, mask, logps)

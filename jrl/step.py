@@ -38,6 +38,7 @@ from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
 from jrl.algos import rollout_corr
+from jrl.models import attention as attention_lib
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
@@ -292,21 +293,31 @@ def response_outputs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     with_sum_pi_squared: bool = False,
+    group: int = 1,
 ) -> dict[str, jax.Array]:
     """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
     `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
     `entropy` of that distribution (if asked; without a gradient unless `entropy_grad`),
     `values` = V(prompt, y_<t) (with a value head), `sum_pi_squared` = sum_v pi(v)^2 (if asked).
-    Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`)."""
-    p = prompt_ids_BP.shape[1]
-    ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
-    mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-    hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
+    Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`).
+    `group` = n > 1: every n consecutive rows share their prompt (a GRPO group); where
+    `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`)."""
+    p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
+    if group > 1 and grouped_forward_suits(model_cfg, length):
+        prompts = slice(None, None, group)  # the first row of each group
+        hidden, head, values, _ = transformer.grouped_response_forward(
+            model_cfg, params, prompt_ids_BP[prompts], prompt_mask_BP[prompts], response_ids_BR
+        )
+    else:
+        ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
+        mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
+        hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
+        hidden, values = hidden[:, p - 1 : -1], None if values is None else values[:, p - 1 : -1]
     out = {}
     if head is not None:
         log_prob, entropy, *extra = token_log_probs(
             model_cfg,
-            hidden[:, p - 1 : -1],
+            hidden,
             head,
             response_ids_BR,
             temperature,
@@ -320,8 +331,41 @@ def response_outputs(
         if with_sum_pi_squared:
             out["sum_pi_squared"] = extra[0]
     if values is not None:
-        out["values"] = values[:, p - 1 : -1]
+        out["values"] = values
     return out
+
+
+def grouped_forward_suits(model_cfg, length: int) -> bool:
+    """Whether a forward of `length` tokens per row may run each group's prompt once: without
+    remat (the grouped forward runs the layers one by one, as the rollout does) and where the
+    full forward's attention would be the materialised "xla" one (short rows: the grouped
+    forward attends through a [rows, R, P + R] mask, no more memory than that)."""
+    impl = attention_lib.resolve_implementation(
+        model_cfg.attention,
+        seq_len=length,
+        head_dim=model_cfg.head_size,
+        dtype=model_cfg.dtype,
+        softcap=model_cfg.attn_logit_softcapping,
+        block_size=model_cfg.attention_block_size,
+    )
+    return model_cfg.remat == "none" and impl == "xla"
+
+
+def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[str, int]:
+    """Rows per prompt that the forwards of "log_prob", "actor" and "critic" share
+    (`model.shared_prompt_forward`): n when it is on and every micro-batch of that forward
+    (`micro_batch_counts`) holds whole groups, else 1; 1 in the update under LoRA dropout (a
+    dropout mask per row, prompt included). Mini-batches and micro-batches take whole groups."""
+    n = cfg.rollout.n
+    prompts = {
+        "log_prob": cfg.data.train_batch_size,
+        "actor": cfg.actor.ppo_mini_batch_size,
+        "critic": cfg.actor.ppo_mini_batch_size,
+    }
+    on = cfg.model.shared_prompt_forward and n > 1
+    per_row = {"actor": lora_dropout_on(cfg), "critic": lora_dropout_on(cfg), "log_prob": False}
+    whole = lambda name: prompts[name] % micro[name] == 0
+    return {name: n if on and whole(name) and not per_row[name] else 1 for name in micro}
 
 
 def response_logprobs(
@@ -427,31 +471,42 @@ def micro_batch_counts(cfg: ml_collections.ConfigDict, mesh=None) -> dict[str, i
     return counts
 
 
-def split_rows(tree, k: int):
-    """[rows, ...] -> [k, rows / k, ...]: micro-batch i holds rows i, i + k, i + 2k, ..., so each
-    is spread over the devices like the whole batch (pinned there under a mesh)."""
-    split = lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+def split_rows(tree, k: int, group: int = 1):
+    """[rows, ...] -> [k, rows / k, ...] in blocks of `group` consecutive rows: micro-batch i
+    holds blocks i, i + k, i + 2k, ..., so each is spread over the devices like the whole batch
+    (pinned there under a mesh) and keeps a group's rows together."""
+
+    def split(x):
+        blocks = x.reshape(x.shape[0] // (k * group), k, group, *x.shape[1:]).swapaxes(0, 1)
+        return blocks.reshape(k, -1, *x.shape[1:])
+
     return sharding.constrain(jax.tree.map(split, tree), PartitionSpec(None, "batch"))
 
 
-def join_rows(tree):
+def join_rows(tree, group: int = 1):
     """The inverse of `split_rows`."""
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+    def join(x):
+        k = x.shape[0]
+        blocks = x.reshape(k, -1, group, *x.shape[2:]).swapaxes(0, 1)
+        return blocks.reshape(-1, *x.shape[2:])
+
+    return jax.tree.map(join, tree)
 
 
-def in_micro_batches(fn: Callable, rows, k: int):
+def in_micro_batches(fn: Callable, rows, k: int, group: int = 1):
     """fn(rows) computed k micro-batches at a time (`lax.map`), results in row order."""
     if k == 1:
         return fn(rows)
-    return join_rows(jax.lax.map(fn, split_rows(rows, k)))
+    return join_rows(jax.lax.map(fn, split_rows(rows, k, group)), group)
 
 
-def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None):
+def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None, group: int = 1):
     """(gradient, metrics) of `loss_fn(params, batch, *args) -> (loss, metrics)` over `batch` in k
     micro-batches: one forward / backward each (`lax.scan`), gradients summed in float32. The loss
     and every metric of a micro-batch must be its share of the whole batch's (normalised by the
     whole batch: `losses.batch_counts`), so the sums equal the whole batch's. With a `key` (LoRA
-    dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`."""
+    dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`. `group`: see `split_rows`."""
     grad_fn = jax.grad(loss_fn, has_aux=True)
     keys = None if key is None else jax.random.split(key, k)
     with_key = lambda kk: {} if kk is None else {"key": kk}
@@ -464,7 +519,7 @@ def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None):
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
 
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-    grads, metrics = jax.lax.scan(micro, zeros, (split_rows(batch, k), keys))
+    grads, metrics = jax.lax.scan(micro, zeros, (split_rows(batch, k, group), keys))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
@@ -484,6 +539,7 @@ class StepSpec:
     pad_id: int
     max_new_tokens: int
     micro: dict  # micro-batch counts of "log_prob", "actor", "critic" (`micro_batch_counts`)
+    group: dict  # rows per prompt that the forwards share (`prompt_group`): n, or 1, per forward
     policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
     estimator: Callable  # (token_level_rewards=, response_mask=, index=, ...) -> advantages, ...
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
@@ -524,6 +580,7 @@ def make_spec(
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
     sizes divide."""
+    micro = micro_batch_counts(cfg, mesh)
     return StepSpec(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -532,7 +589,8 @@ def make_spec(
         eos_id=eos_id,
         pad_id=pad_id,
         max_new_tokens=max_new_tokens,
-        micro=micro_batch_counts(cfg, mesh),
+        micro=micro,
+        group=prompt_group(cfg, micro),
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
         estimator=adv_lib.make_estimator(cfg.algorithm),
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
@@ -631,9 +689,10 @@ def generate(spec: StepSpec, state: TrainState, prompts: Batch, key):
 # GROUP-PPO threshold.
 
 
-def forward(spec: StepSpec, model_cfg, params, rows: Batch, **outputs):
+def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs):
     """`response_outputs` of `rows` (prompt + response) at the rollout's temperature; the
-    entropy, when asked for, has a gradient only if the loss uses it (entropy_coeff != 0)."""
+    entropy, when asked for, has a gradient only if the loss uses it (entropy_coeff != 0).
+    `name`: "log_prob", "actor" or "critic", whose `spec.group` applies."""
     return response_outputs(
         model_cfg,
         params,
@@ -643,6 +702,7 @@ def forward(spec: StepSpec, model_cfg, params, rows: Batch, **outputs):
         rows["response_mask"],
         spec.cfg.rollout.temperature,
         entropy_grad=spec.cfg.actor.entropy_coeff != 0,
+        group=spec.group[name],
         **outputs,
     )
 
@@ -654,21 +714,19 @@ def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
     cfg, out = spec.cfg, {}
     if not (spec.on_policy or (bypass_mode(cfg) and not spec.shared)):
         with_spp = spec.needs("sum_pi_squared")
-        old = forward(
-            spec, spec.model_cfg, policy_params(cfg, state), rows, with_sum_pi_squared=with_spp
-        )
+        policy = policy_params(cfg, state)
+        old = forward(spec, spec.model_cfg, policy, rows, "log_prob", with_sum_pi_squared=with_spp)
         out["old_log_prob"] = old["log_prob"]
         if with_spp:
             out["sum_pi_squared"] = old["sum_pi_squared"]
     if needs_reference(cfg):
-        out["ref_log_prob"] = forward(spec, spec.model_cfg, reference_params(cfg, state), rows)[
-            "log_prob"
-        ]
+        ref = forward(spec, spec.model_cfg, reference_params(cfg, state), rows, "log_prob")
+        out["ref_log_prob"] = ref["log_prob"]
     if spec.use_critic and spec.shared:
         out["values"] = old["values"]
     elif spec.use_critic:
         critic_params = _with_base(cfg, state.ref_params, state.critic_params)
-        out["values"] = forward(spec, spec.critic_cfg, critic_params, rows)["values"]
+        out["values"] = forward(spec, spec.critic_cfg, critic_params, rows, "log_prob")["values"]
     return out
 
 
@@ -678,9 +736,8 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     mask = exp["response_mask"]
     b = mask.shape[0]
     rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
-    scored = in_micro_batches(
-        lambda r: score_forwards(spec, state, r), rows, spec.micro["log_prob"]
-    )
+    score = lambda r: score_forwards(spec, state, r)
+    scored = in_micro_batches(score, rows, spec.micro["log_prob"], spec.group["log_prob"])
     exp = {**exp, **jax.lax.stop_gradient(scored)}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
@@ -793,7 +850,7 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
     during critic warm-up, when only a shared value head's loss trains the network. `key`: the
     micro-batch's randomness (LoRA dropout, then the policy loss's)."""
     full = _with_base(spec.cfg, base, params, key)
-    out = forward(spec, spec.model_cfg, full, mb, with_entropy=True)
+    out = forward(spec, spec.model_cfg, full, mb, "actor", with_entropy=True)
     loss, metrics = policy_terms(spec, out, mb, counts["policy"], jax.random.fold_in(key, 1))
     if spec.shared:
         vf_loss, vf_metrics = value_terms(spec, out, mb, counts["value"])
@@ -804,7 +861,8 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
 
 def critic_loss(critic_params, mb: Batch, spec: StepSpec, counts, base, key):
     full = _with_base(spec.cfg, base, critic_params, key)
-    return value_terms(spec, forward(spec, spec.critic_cfg, full, mb), mb, counts["value"])
+    out = forward(spec, spec.critic_cfg, full, mb, "critic")
+    return value_terms(spec, out, mb, counts["value"])
 
 
 def mini_batch_counts(spec: StepSpec, mb: Batch) -> dict:
@@ -847,6 +905,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
         base,
         actor_on,
         key=actor_key,
+        group=spec.group["actor"],
     )
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
@@ -860,6 +919,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
             counts,
             base,
             key=critic_key,
+            group=spec.group["critic"],
         )
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
         metrics.update(critic_metrics)
@@ -895,8 +955,9 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     num_mb = b // mb_rows
     actor_on = state.step >= cfg.critic.critic_warmup
 
-    def epoch(carry, key):
-        perm = jax.random.permutation(key, b)
+    def epoch(carry, key):  # mini-batches of whole groups (as verl's), in a shuffled order
+        n = spec.n
+        perm = (jax.random.permutation(key, b // n)[:, None] * n + jnp.arange(n)).reshape(-1)
         mbs = jax.tree_util.tree_map(lambda x: x[perm].reshape(num_mb, mb_rows, *x.shape[1:]), data)
         mb_keys = jax.random.split(jax.random.fold_in(key, 1), num_mb)  # fresh at every update
         return jax.lax.scan(functools.partial(update_minibatch, spec), carry, (mbs, mb_keys))

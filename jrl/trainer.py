@@ -71,7 +71,8 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
         return dataclasses.replace(
             hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
         )
-    fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
+    step_fields = ("hf_path", "vocab_size", "shared_prompt_forward")  # not the model's
+    fields = {k: v for k, v in cfg.model.items() if k not in step_fields}
     fields["head_dim"] = fields["head_dim"] or None
     vocab_size = cfg.model.vocab_size or vocab_size  # 0: the tokenizer's size
     return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **frozen})

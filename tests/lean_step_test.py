@@ -193,6 +193,33 @@ UPDATE_CASES = {
 }
 
 
+def assert_same_update(state, scored, key, want_update, got_update):
+    """Two update phases give `scored` (with random advantages and returns: a fresh model rarely
+    earns a reward) the same metrics and parameters, and do move the parameters."""
+    rng = np.random.default_rng(0)
+    mask = np.asarray(scored["response_mask"], np.float32)
+    for k in ("advantages", "returns"):
+        scored[k] = jnp.asarray(rng.standard_normal(mask.shape).astype(np.float32) * mask)
+    want_state, want_m = jax.jit(want_update)(state, scored, key)
+    got_state, got_m = jax.jit(got_update)(state, scored, key)
+    assert set(got_m) == set(want_m)
+    for k in want_m:
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    # Adam's first step moves a weight by ~lr * g / (|g| + eps): for a gradient entry near eps the
+    # summation order (of micro-batches, of a prompt's rows) shifts it by a few 1e-6 (lr 1e-3); a
+    # lost or doubled micro-batch would move weights by ~lr.
+    for name in ("params", "critic_params"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+            getattr(got_state, name),
+            getattr(want_state, name),
+        )
+    moved = jax.tree.leaves(
+        jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params)
+    )
+    assert max(moved) > 1e-4  # the update did change the parameters
+
+
 @pytest.mark.parametrize("case", list(UPDATE_CASES))
 def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
     """One optimizer update per mini-batch of 8 rows, in 4 micro-batches of 2 or in one: the same
@@ -218,29 +245,7 @@ def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
     for k in ("old_log_prob", "advantages", "returns", "values", "ref_log_prob"):
         if k in scored:
             np.testing.assert_allclose(micro_scored[k], scored[k], rtol=1e-5, atol=1e-6)
-    # A fresh model rarely earns a reward: give the update advantages and returns to work on.
-    rng = np.random.default_rng(0)
-    mask = np.asarray(scored["response_mask"], np.float32)
-    for k in ("advantages", "returns"):
-        scored[k] = jnp.asarray(rng.standard_normal(mask.shape).astype(np.float32) * mask)
-    want_state, want_m = jax.jit(update)(state, scored, key)
-    got_state, got_m = jax.jit(micro_update)(state, scored, key)
-    assert set(got_m) == set(want_m)
-    for k in want_m:
-        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
-    # Adam's first step moves a weight by ~lr * g / (|g| + eps): for a gradient entry near eps the
-    # summation order of the micro-batches shifts it by a few 1e-6 (lr 1e-3); a lost or doubled
-    # micro-batch would move weights by ~lr.
-    for name in ("params", "critic_params"):
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-            getattr(got_state, name),
-            getattr(want_state, name),
-        )
-    moved = jax.tree.leaves(
-        jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params)
-    )
-    assert max(moved) > 1e-4  # the update did change the parameters
+    assert_same_update(state, scored, key, update, micro_update)
 
 
 def test_fused_step_with_everything_on_equals_everything_off():

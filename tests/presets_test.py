@@ -130,13 +130,11 @@ _PROBE = textwrap.dedent(
     import jax
     sys.path.insert(0, sys.argv[1])
     from configs import grpo_math
-    from jrl import sharding, step
+    from jrl import sharding, step, trainer
     from jrl.models import transformer
 
-    def model_cfg(cfg):
-        fields = {k: v for k, v in cfg.model.items() if k not in ("hf_path", "vocab_size")}
-        fields["head_dim"] = fields["head_dim"] or None
-        return transformer.ModelConfig(vocab_size=cfg.model.vocab_size, **fields)
+    def model_cfg(cfg):  # the presets' model.vocab_size is their checkpoint's
+        return trainer.model_config(cfg, cfg.model.vocab_size)
 
     def nbytes(tree, shardings):
         return sum(

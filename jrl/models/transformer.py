@@ -644,6 +644,64 @@ def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL) -> O
     return out._replace(hidden=hidden, values=values)
 
 
+class Prefill(NamedTuple):
+    """Prompts run once and made ready for their rows' responses (`prefill`)."""
+
+    last: Output  # hidden [B, 1, H] / values [B, 1] at each row's last prompt slot, per row
+    cache: tuple  # per layer {"k", "v"} [B, K, P + R, D]: the prompt's slots, then R empty ones
+    key_valid: jax.Array  # [B, P + R] bool: real prompt slots, then every response slot
+    first_position: jax.Array  # [B] int32: the position id of response token 0
+
+
+def prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_slots: int):
+    """Runs G left-padded prompts once (prompt token j in cache slot j, position ids skipping
+    the padding) and gives each of its `samples` consecutive rows (`jnp.repeat` order, B = G x
+    samples) a copy of its keys and values with `new_slots` response slots after them. Shared by
+    the rollout and the grouped forward (`grouped_response_forward`); differentiable, so a
+    prompt's gradient is the sum of its rows'."""
+    cfg = model.cfg
+    g, p = prompt_ids_GP.shape
+    rows = lambda x: jnp.repeat(x, samples, axis=0)  # per prompt -> per row
+    positions = positions_from_mask(prompt_mask_GP)
+    valid = prompt_mask_GP.astype(bool)
+    causal = valid[:, None, :] & jnp.tril(jnp.ones((p, p), bool))
+    out = model.apply(variables_, prompt_ids_GP, positions, causal, init_cache(cfg, g, p), 0)
+    last = Output(
+        rows(out.hidden[:, -1:]),
+        out.head,
+        None if out.values is None else rows(out.values[:, -1:]),
+        None,
+    )
+    pad = ((0, 0), (0, 0), (0, new_slots), (0, 0))  # [B, K, S, D]: after the prompt's slots
+    cache = jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache)
+    key_valid = jnp.pad(rows(valid), ((0, 0), (0, new_slots)), constant_values=True)
+    return Prefill(last, cache, key_valid, rows(positions[:, -1] + 1))
+
+
+def grouped_response_forward(cfg: ModelConfig, params, prompt_ids_GP, prompt_mask_GP, ids_BR):
+    """Forward of B = G x n rows whose n consecutive rows share a prompt (a GRPO group), each
+    prompt run once: the prompts (left-padded [G, P]) through `prefill`, then every row's
+    response tokens [B, R] over its prompt's keys and values. Returns an `Output` whose hidden
+    [B, R, H] and values [B, R] are those of positions P - 1 .. P + R - 2, the ones that predict
+    the response tokens (the slice `full_forward(prompt + response)[:, P - 1 : -1]`); same
+    function, computed on G x P + B x R tokens instead of B x (P + R).
+
+    The response queries attend over the cache through a [B, R, P + R] mask (the rollout's
+    attention), so this suits short sequences, where the full forward's attention is "xla"."""
+    model = Transformer(cfg)
+    variables_ = variables(params)
+    b, r = ids_BR.shape
+    p = prompt_ids_GP.shape[1]
+    pre = prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, b // prompt_ids_GP.shape[0], r)
+    causal = jnp.arange(p + r)[None, :] <= p + jnp.arange(r)[:, None]  # [R, P + R]
+    mask = pre.key_valid[:, None, :] & causal[None]
+    positions = pre.first_position[:, None] + jnp.arange(r)[None]
+    out = model.apply(variables_, ids_BR, positions, mask, pre.cache, p)
+    join = lambda first, rest: jnp.concatenate([first, rest[:, :-1]], axis=1)
+    values = None if out.values is None else join(pre.last.values, out.values)
+    return Output(join(pre.last.hidden, out.hidden), out.head, values, None)
+
+
 def apply_full(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL):
     """Full forward with left / right padding: (logits [B, L, V] or None, values [B, L] or None).
     Builds the whole [B, L, V] logits: for tests and small models (`jrl.step.token_log_probs`

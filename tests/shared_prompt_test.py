@@ -1,0 +1,126 @@
+"""The shared-prompt forward (`model.shared_prompt_forward`): running each group's prompt once
+and its n responses over the prompt's keys and values gives the full forward's log-probs,
+values and gradients; micro-batches keep a group's rows together; scoring and the update are
+those of the full forward; `prompt_group` turns it off where it does not apply. (The fused step
+with it on against the lean step, where it is off: lean_step_test.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import step as step_lib
+from jrl.models import transformer as tfm
+
+import model_test
+from lean_step_test import _phases, _tiny, assert_same_update
+
+# Llama-like with a value head; Gemma-like: sliding-window layers (window 3 < prompt +
+# response), attention and final softcaps, qk norm
+LLAMA = model_test.CFG
+GEMMA = dataclasses.replace(model_test.GEMMA_CFG, value_head=True)
+
+
+def _groups(seed=0, g=3, n=2, p=5, r=6, vocab=37):
+    """g left-padded prompts of different lengths, each repeated for its n rows (`jnp.repeat`
+    order, as the rollout lays them out), and n right-padded responses per prompt."""
+    rng = np.random.default_rng(seed)
+    pmask = np.ones((g, p), np.int32)
+    pmask[1, :2] = 0
+    pmask[2, :4] = 0  # a one-token prompt
+    prompt = rng.integers(1, vocab, (g, p)).astype(np.int32) * pmask
+    rmask = (np.arange(r)[None] < rng.integers(1, r + 1, (g * n, 1))).astype(np.int32)
+    resp = rng.integers(1, vocab, (g * n, r)).astype(np.int32) * rmask
+    rows = lambda x: np.repeat(x, n, axis=0)
+    return tuple(jnp.asarray(x) for x in (rows(prompt), rows(pmask), resp, rmask))
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GEMMA], ids=["llama", "gemma"])
+def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
+    n = 2
+    batch = _groups(n=n, vocab=cfg.vocab_size)
+    mask = np.asarray(batch[3], bool)
+    params = model_test._random_params(cfg)
+
+    def outputs(params, group):
+        out = step_lib.response_outputs(cfg, params, *batch, 0.8, with_entropy=True, group=group)
+        return out, jnp.sum(out["log_prob"] * batch[3]) + jnp.sum(out["values"] * batch[3])
+
+    assert step_lib.grouped_forward_suits(cfg, 11)
+    grad = lambda group: jax.grad(lambda q: outputs(q, group)[1])(params)
+    want, got = outputs(params, 1)[0], outputs(params, n)[0]
+    for k in ("log_prob", "entropy", "values"):  # at the response's real tokens
+        np.testing.assert_allclose(np.asarray(got[k])[mask], np.asarray(want[k])[mask], atol=2e-5)
+    assert np.abs(np.asarray(want["log_prob"])[mask]).min() > 1e-3  # not trivially equal
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), grad(n), grad(1))
+    # A prompt's gradient is the sum over its rows: break one row's prompt and it shows.
+    other = (batch[0].at[1, -1].set(batch[0][1, -1] % (cfg.vocab_size - 1) + 1), *batch[1:])
+    moved = step_lib.response_outputs(cfg, params, *other, 0.8, group=1)["log_prob"]
+    assert np.abs(np.asarray(moved - want["log_prob"])[1][mask[1]]).max() > 1e-4
+
+
+def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
+    rows = jnp.arange(12)
+    split = step_lib.split_rows(rows, 2, group=3)
+    np.testing.assert_array_equal(split, [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]])
+    np.testing.assert_array_equal(step_lib.join_rows(split, group=3), rows)
+    plain = step_lib.split_rows(rows, 2)  # group 1: rows i, i + k, ...
+    np.testing.assert_array_equal(plain, [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]])
+    np.testing.assert_array_equal(step_lib.join_rows(plain), rows)
+
+
+def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
+    cfg = _tiny()  # the tiny preset: 4 prompts x n 4, mini-batches of 2 prompts
+    n = cfg.rollout.n
+    assert n > 1
+    micro = {"log_prob": 1, "actor": 1, "critic": 1}
+    assert step_lib.prompt_group(cfg, micro) == {k: n for k in micro}
+    mb = cfg.actor.ppo_mini_batch_size
+    split = {"log_prob": 1, "actor": 2 * mb, "critic": mb}  # actor: half a group per micro-batch
+    assert step_lib.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
+    off = _tiny(**{"model.shared_prompt_forward": False})
+    assert step_lib.prompt_group(off, micro) == {k: 1 for k in micro}
+    single = _tiny(**{"rollout.n": 1})
+    assert step_lib.prompt_group(single, micro) == {k: 1 for k in micro}
+    dropout = _tiny(**{"lora.rank": 4, "lora.dropout": 0.1})  # a mask per row in the update
+    assert step_lib.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
+
+
+def test_grouped_forward_is_off_with_remat_or_blockwise_attention():
+    assert not step_lib.grouped_forward_suits(dataclasses.replace(LLAMA, remat="block"), 11)
+    blockwise = dataclasses.replace(LLAMA, attention="blockwise", attention_block_size=4)
+    assert not step_lib.grouped_forward_suits(blockwise, 11)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_update_with_the_shared_prompt_forward_equals_the_full_forwards(estimator):
+    """Scoring and one update (2 mini-batches, 2 micro-batches each): same experience, metrics
+    and parameters with the shared-prompt forward on and off."""
+    changes = {
+        "algorithm.adv_estimator": estimator,
+        "actor.ppo_mini_batch_size": 2,
+        "actor.ppo_micro_batch_size_per_device": 4,  # one group of 4 rows
+        "critic.ppo_micro_batch_size_per_device": 4,
+        "rollout.log_prob_micro_batch_size_per_device": 8,
+        "actor.ppo_epochs": 2,  # not on-policy: the old log-prob forward runs
+    }
+    on_cfg = _tiny(**changes)
+    off_cfg = _tiny(**changes, **{"model.shared_prompt_forward": False})
+    task, model_cfg, (generate, score, update) = _phases(on_cfg)
+    _, _, (_, off_score, off_update) = _phases(off_cfg)
+    ids = {"eos_id": 0, "pad_id": 0, "max_new_tokens": 1}
+    assert step_lib.make_spec(on_cfg, model_cfg, None, **ids).group["actor"] > 1
+    key = jax.random.key(0)
+    state = step_lib.init_state(on_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    exp, _ = jax.jit(generate)(state, task.train_batch(0, on_cfg.data.train_batch_size), key)
+    scored, _, _ = jax.jit(score)(state, exp)
+    off_scored, _, _ = jax.jit(off_score)(state, exp)
+    mask = np.asarray(scored["response_mask"], bool)
+    for k in ("old_log_prob", "ref_log_prob", "values"):
+        if k in scored:
+            np.testing.assert_allclose(
+                np.asarray(scored[k])[mask], np.asarray(off_scored[k])[mask], atol=1e-5
+            )
+    assert_same_update(state, scored, key, off_update, update)
