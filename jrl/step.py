@@ -354,8 +354,9 @@ def grouped_forward_suits(model_cfg, length: int) -> bool:
 def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[str, int]:
     """Rows per prompt that the forwards of "log_prob", "actor" and "critic" share
     (`model.shared_prompt_forward`): n when it is on and every micro-batch of that forward
-    (`micro_batch_counts`) holds whole groups, else 1; 1 in the update under LoRA dropout (a
-    dropout mask per row, prompt included). Mini-batches and micro-batches take whole groups."""
+    (`micro_batch_counts`) holds whole groups, else 1. In the update only with one mini-batch per
+    epoch (several are drawn row by row, as before: in the default demo, mini-batches of whole
+    groups learnt less) and without LoRA dropout (a mask per row, prompt included)."""
     n = cfg.rollout.n
     prompts = {
         "log_prob": cfg.data.train_batch_size,
@@ -363,9 +364,11 @@ def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[
         "critic": cfg.actor.ppo_mini_batch_size,
     }
     on = cfg.model.shared_prompt_forward and n > 1
-    per_row = {"actor": lora_dropout_on(cfg), "critic": lora_dropout_on(cfg), "log_prob": False}
+    one_mini_batch = cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    update_ok = one_mini_batch and not lora_dropout_on(cfg)
+    suits = {"log_prob": True, "actor": update_ok, "critic": update_ok}
     whole = lambda name: prompts[name] % micro[name] == 0
-    return {name: n if on and whole(name) and not per_row[name] else 1 for name in micro}
+    return {name: n if on and whole(name) and suits[name] else 1 for name in micro}
 
 
 def response_logprobs(
@@ -955,9 +958,12 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     num_mb = b // mb_rows
     actor_on = state.step >= cfg.critic.critic_warmup
 
-    def epoch(carry, key):  # mini-batches of whole groups (as verl's), in a shuffled order
-        n = spec.n
-        perm = (jax.random.permutation(key, b // n)[:, None] * n + jnp.arange(n)).reshape(-1)
+    # Mini-batches of rows drawn at random; but a shared-prompt update (`prompt_group`) has one
+    # mini-batch, whose row order changes nothing but the summation: rollout order, group by group.
+    grouped = spec.group["actor"] > 1 or spec.group["critic"] > 1
+
+    def epoch(carry, key):
+        perm = jnp.arange(b) if grouped else jax.random.permutation(key, b)
         mbs = jax.tree_util.tree_map(lambda x: x[perm].reshape(num_mb, mb_rows, *x.shape[1:]), data)
         mb_keys = jax.random.split(jax.random.fold_in(key, 1), num_mb)  # fresh at every update
         return jax.lax.scan(functools.partial(update_minibatch, spec), carry, (mbs, mb_keys))

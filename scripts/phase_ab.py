@@ -2,6 +2,7 @@
 
     python scripts/phase_ab.py --workload=W2 --micro_batches=0,16 [--rounds=5]
     python scripts/phase_ab.py --workload=W2 --prefill
+    python scripts/phase_ab.py --workload=W2 --shared_prompt
 
 The machine's speed drifts by 10-30% between processes on a shared CPU, more than most single
 changes buy, so the variants are compiled in one process and timed in alternating rounds (A B A B
@@ -12,6 +13,8 @@ changes buy, so the variants are compiled in one process and timed in alternatin
 --prefill: the rollout (`jrl.rollout.generate`) with each prompt prefilled once for its n samples
 (`samples=n`) against the same prompts repeated n times and each row prefilled (`samples=1`);
 it also checks that both sample the same tokens.
+--shared_prompt: the fused step and the update phase with `model.shared_prompt_forward` on
+(each group's prompt forwarded once) and off.
 """
 
 from __future__ import annotations
@@ -27,14 +30,20 @@ from jrl import benchmark, rollout
 from jrl import step as step_lib
 
 
-def update_variants(name: str, micro_batches: list[int]) -> dict:
-    """{"micro_batch=m": timed update} for each m, all on the same state and experience."""
-    cfg, model_cfg, reward_fn, ids, state, batch = benchmark.setup(name)
+def _scored(name: str):
+    """The workload (`benchmark.setup`), a key, and its first step's scored experience."""
+    w = benchmark.setup(name)
     key = jax.random.key(1)
     generate, score, _ = (
-        jax.jit(f) for f in step_lib.make_phases(cfg, model_cfg, reward_fn, **ids)
+        jax.jit(f) for f in step_lib.make_phases(w.cfg, w.model_cfg, w.reward_fn, **w.ids)
     )
-    scored, _, _ = score(state, generate(state, batch, key)[0])
+    return w, key, score(w.state, generate(w.state, w.batch, key)[0])[0]
+
+
+def update_variants(name: str, micro_batches: list[int]) -> dict:
+    """{"micro_batch=m": timed update} for each m, all on the same state and experience."""
+    w, key, scored = _scored(name)
+    cfg, model_cfg, reward_fn, ids, state, batch = w
     variants = {}
     for m in micro_batches:
         cfg_m = benchmark.workload_config(name, m)
@@ -58,6 +67,21 @@ def prefill_variants(name: str) -> dict:
     return {"prefill once": lambda: once(params), "prefill every row": lambda: every(params)}
 
 
+def shared_prompt_variants(name: str) -> dict:
+    """The workload's fused step and update phase with model.shared_prompt_forward on and off."""
+    w, key, scored = _scored(name)
+    cfg, model_cfg, reward_fn, ids, state, batch = w
+    variants = {}
+    for on in (True, False):
+        cfg_on = cfg.copy_and_resolve_references()
+        cfg_on.model.shared_prompt_forward = on
+        step = jax.jit(step_lib.make_step(cfg_on, model_cfg, reward_fn, **ids))
+        update = jax.jit(step_lib.make_phases(cfg_on, model_cfg, reward_fn, **ids)[2])
+        variants[f"step shared={on}"] = lambda f=step: f(state, batch)
+        variants[f"update shared={on}"] = lambda f=update: f(state, scored, key)
+    return variants
+
+
 def alternate(variants: dict, rounds: int, reps: int) -> dict:
     """Median seconds of each variant over `rounds` alternating rounds of `reps` calls."""
     for f in variants.values():
@@ -77,11 +101,16 @@ def main():
     parser.add_argument("--workload", default="W2", choices=sorted(benchmark.WORKLOADS))
     parser.add_argument("--micro_batches", default="0,16", help="comma-separated rows, 0: all")
     parser.add_argument("--prefill", action="store_true", help="time the rollout's prefill")
+    parser.add_argument(
+        "--shared_prompt", action="store_true", help="model.shared_prompt_forward on / off"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="calls per variant per round")
     args = parser.parse_args()
     if args.prefill:
         variants = prefill_variants(args.workload)
+    elif args.shared_prompt:
+        variants = shared_prompt_variants(args.workload)
     else:
         micro = [int(m) for m in args.micro_batches.split(",")]
         variants = update_variants(args.workload, micro)

@@ -72,19 +72,21 @@ def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
 
 
 def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
-    cfg = _tiny()  # the tiny preset: 4 prompts x n 4, mini-batches of 2 prompts
+    # the tiny preset: 4 prompts x n 4; one mini-batch of all 4 prompts
+    cfg = _tiny(**{"actor.ppo_mini_batch_size": 4})
     n = cfg.rollout.n
     assert n > 1
     micro = {"log_prob": 1, "actor": 1, "critic": 1}
     assert step_lib.prompt_group(cfg, micro) == {k: n for k in micro}
-    mb = cfg.actor.ppo_mini_batch_size
-    split = {"log_prob": 1, "actor": 2 * mb, "critic": mb}  # actor: half a group per micro-batch
+    split = {"log_prob": 1, "actor": 8, "critic": 4}  # actor: half a group per micro-batch
     assert step_lib.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
+    two = _tiny(**{"actor.ppo_mini_batch_size": 2})  # two mini-batches: rows drawn at random
+    assert step_lib.prompt_group(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
     off = _tiny(**{"model.shared_prompt_forward": False})
     assert step_lib.prompt_group(off, micro) == {k: 1 for k in micro}
     single = _tiny(**{"rollout.n": 1})
     assert step_lib.prompt_group(single, micro) == {k: 1 for k in micro}
-    dropout = _tiny(**{"lora.rank": 4, "lora.dropout": 0.1})  # a mask per row in the update
+    dropout = _tiny(**{"actor.ppo_mini_batch_size": 4, "lora.rank": 4, "lora.dropout": 0.1})
     assert step_lib.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
 
 
@@ -96,11 +98,11 @@ def test_grouped_forward_is_off_with_remat_or_blockwise_attention():
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_update_with_the_shared_prompt_forward_equals_the_full_forwards(estimator):
-    """Scoring and one update (2 mini-batches, 2 micro-batches each): same experience, metrics
-    and parameters with the shared-prompt forward on and off."""
+    """Scoring and the update (2 epochs of one mini-batch in 4 micro-batches): same experience,
+    metrics and parameters with the shared-prompt forward on and off (then rows in random order)."""
     changes = {
         "algorithm.adv_estimator": estimator,
-        "actor.ppo_mini_batch_size": 2,
+        "actor.ppo_mini_batch_size": 4,
         "actor.ppo_micro_batch_size_per_device": 4,  # one group of 4 rows
         "critic.ppo_micro_batch_size_per_device": 4,
         "rollout.log_prob_micro_batch_size_per_device": 8,
