@@ -72,8 +72,9 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.model.attention_block_size = 512  # query positions per block of blockwise attention
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
-    # Forward a group's prompt once for its n responses in the update / scoring forwards, where
-    # the rows are short (attention "xla") and there is no remat (jrl.step.prompt_group):
+    # Forward a group's prompt once for its n responses in the scoring forwards, and in the update
+    # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
+    # (jrl.step.prompt_group):
     c.model.shared_prompt_forward = True
 
     c.tokenizer = (

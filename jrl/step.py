@@ -301,7 +301,8 @@ def response_outputs(
     `values` = V(prompt, y_<t) (with a value head), `sum_pi_squared` = sum_v pi(v)^2 (if asked).
     Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`).
     `group` = n > 1: every n consecutive rows share their prompt (a GRPO group); where
-    `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`)."""
+    `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`;
+    responses padded only after their last real token, as the rollout writes them)."""
     p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
     if group > 1 and grouped_forward_suits(model_cfg, length):
         prompts = slice(None, None, group)  # the first row of each group
