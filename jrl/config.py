@@ -20,7 +20,7 @@ import traceback
 import ml_collections
 from ml_collections import config_dict
 
-from jrl import data, rewards
+from jrl import data, rewards, tools
 from jrl.algos import advantages, group_ppo, kl, losses, rollout_corr
 from jrl.data import math_data
 from jrl.models import attention, lora, transformer
@@ -119,6 +119,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.log_prob_micro_batch_size_per_device = (
         0  # rows per device per old / reference log-prob and value forward; 0: all rows at once
     )
+
+    # Multi-turn tool use (verl's rollout.multi_turn; docs/multi_turn.md): decoding pauses a row
+    # at the end of a tool call, the host runs the calls and appends their answers (mask 0).
+    c.rollout.multi_turn = ml_collections.ConfigDict()
+    c.rollout.multi_turn.enable = False  # off: one turn per row, as without tools
+    c.rollout.multi_turn.max_assistant_turns = 5  # model turns per row (0: until the row is full)
+    c.rollout.multi_turn.max_parallel_calls = 1  # calls run per turn (more are ignored, as verl)
+    c.rollout.multi_turn.max_tool_response_length = 256  # tokens per tool answer (cut beyond)
+    c.rollout.multi_turn.tool_response_truncate_side = "middle"  # where to cut: left|middle|right
+    # hermes: <tool_call>{json}</tool_call> + chat-template tool messages | compact: <12*34> =408;
+    c.rollout.multi_turn.format = "hermes"
+    c.rollout.multi_turn.tools = "calc"  # comma-separated jrl.tools names / package.module:function
+    c.rollout.multi_turn.tool_timeout = 5.0  # seconds per call; then "error: ... timed out"
+    c.rollout.multi_turn.num_workers = 8  # host threads running one pause's calls at once
 
     c.actor = ml_collections.ConfigDict()
     c.actor.lr = 1e-3  # peak learning rate (AdamW)
@@ -696,6 +710,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     )
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")
     _validate_lora(cfg.lora)
+    _validate_multi_turn(cfg)
 
 
 def _validate_lora(c: ml_collections.ConfigDict) -> None:
@@ -719,6 +734,45 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
         0 <= c.dropout < 1,
         f"lora.dropout={c.dropout} must be in [0, 1) (the probability of dropping an adapter "
         f"input); e.g. --config.lora.dropout=0.05.",
+    )
+
+
+def _validate_multi_turn(cfg: ml_collections.ConfigDict) -> None:
+    """rollout.multi_turn.*: names, ranges, and a tool answer that fits the response budget (the
+    format's own tokens are checked against the tokenizer in jrl.tools.host.make_tool_host)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    field = "rollout.multi_turn"
+    _choice(f"{field}.format", mt.format, tools.FORMATS)
+    _choice(f"{field}.tool_response_truncate_side", mt.tool_response_truncate_side, tools.SIDES)
+    names = tools.split_names(mt.tools)
+    _check(bool(names), f"{field}.tools is empty: name at least one tool, e.g. calc.")
+    for name in names:
+        _check(
+            ":" in name or name in tools.TOOLS,
+            f"{field}.tools: unknown tool '{name}'{suggest(name, tools.names())}; valid names: "
+            f"{', '.join(tools.names())}, or a user tool as package.module:function.",
+        )
+    _check(
+        mt.format != "hermes" or cfg.tokenizer != "char",
+        f"{field}.format='hermes' renders tool messages with a chat template, which the "
+        f"character tokenizer has not: set --config.{field}.format=compact, or a chat model's "
+        f"tokenizer.",
+    )
+    for name, low in (("max_assistant_turns", 0), ("max_parallel_calls", 1), ("num_workers", 1)):
+        _check(mt[name] >= low, f"{field}.{name}={mt[name]} must be >= {low}.")
+    _check(
+        mt.max_tool_response_length >= 1,
+        f"{field}.max_tool_response_length={mt.max_tool_response_length} must be >= 1.",
+    )
+    _check(mt.tool_timeout > 0, f"{field}.tool_timeout={mt.tool_timeout} must be > 0 seconds.")
+    budget = cfg.data.max_response_length
+    _check(
+        not budget or mt.max_parallel_calls * mt.max_tool_response_length < budget,
+        f"{field}: max_parallel_calls={mt.max_parallel_calls} tool answers of up to "
+        f"max_tool_response_length={mt.max_tool_response_length} tokens do not fit in "
+        f"data.max_response_length={budget}: lower max_tool_response_length or raise the budget.",
     )
 
 

@@ -1,0 +1,256 @@
+"""Tool-call formats: how calls are read from a turn's tokens and how answers become tokens.
+
+A format is built once per run, `FORMATS.get(name)(tokenizer, tools)`, and gives
+  - `stop_ids`: the token ids at which decoding pauses a row for the host;
+  - `parse(ids) -> [Call]`: the calls in one assistant turn (empty: the turn ends the episode);
+  - `render(texts) -> [int]`: the block of tokens appended after the turn for its answers;
+  - `overhead(n)`: the tokens `render` adds around n answers (its block without the answers);
+  - `encode` / `decode` of an answer's text, and `marker`, the text marking a truncated answer.
+
+Two formats:
+  - `hermes` (HF chat models): the model writes `<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>` (one or more) and ends its turn (EOS / end-of-turn token); the answers are
+    role `tool` messages rendered by the tokenizer's chat template. The block of a turn is the
+    rendering of a fixed conversation plus the tool messages, with the generation prompt of the
+    next assistant turn, minus the rendering of the conversation through the end-of-turn token
+    of its assistant message. A template that cannot render tool messages or the tool list, or
+    whose rendering with the messages does not start with the rendering without them, is
+    refused (`FormatError`) when the run is built.
+  - `compact` (the built-in character tokenizer): the model writes `<12*34>` (`<name:arg>` for a
+    tool other than the first) and decoding pauses at `>`; the block is `=408;` (`=` + answer +
+    `;`). The argument is the tool's first required parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple, Sequence
+
+from jrl import tokenizer as tokenizers
+from jrl.registry import Registry
+
+
+class FormatError(ValueError):
+    """A format that the tokenizer (or its chat template) cannot render."""
+
+
+class Call(NamedTuple):
+    """One tool call read from a turn: a tool name and its arguments, or `error` (a one-line
+    reason, e.g. malformed JSON) when the call could not be read."""
+
+    name: str | None
+    arguments: Any
+    error: str | None = None
+
+
+# name -> format class, built as cls(tokenizer, tools)
+FORMATS = Registry("tool call format")
+SIDES = ("left", "middle", "right")  # where truncate_tokens cuts an answer
+
+
+def truncate_tokens(ids: Sequence[int], limit: int, side: str, marker: Sequence[int] = ()) -> list:
+    """`ids` cut to at most `limit` tokens, `marker` standing where tokens were dropped.
+
+    side "left" drops the start (keeps the end), "right" drops the end, "middle" keeps the first
+    ceil(k/2) and the last floor(k/2) of the k = limit - len(marker) tokens kept. When the marker
+    does not fit with at least one kept token, no marker is used.
+    """
+    ids, marker = list(ids), list(marker)
+    if len(ids) <= limit:
+        return ids
+    if limit - len(marker) < 1:
+        marker = []
+    keep = max(0, limit - len(marker))
+    if side == "left":
+        return marker + ids[len(ids) - keep :]
+    if side == "right":
+        return ids[:keep] + marker
+    if side == "middle":
+        head = (keep + 1) // 2
+        tail = keep - head
+        return ids[:head] + marker + (ids[len(ids) - tail :] if tail else [])
+    raise ValueError(f"truncation side {side!r}: use left, middle or right.")
+
+
+class _TokenizerText:
+    """Text <-> ids of answers with the run's tokenizer (no special tokens added)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+@FORMATS.register("hermes")
+class HermesFormat(_TokenizerText):
+    marker = "...(truncated)..."
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _SENTINEL = "TOOL_ANSWER_3f9a"
+
+    def __init__(self, tokenizer, tools):
+        super().__init__(tokenizer)
+        self.schemas = [t.schema for t in tools]
+        if not getattr(tokenizer, "chat_template", None):
+            raise FormatError(
+                "the tokenizer has no chat template to render tool messages with: use a chat "
+                "model's tokenizer (tokenizer_config.json with a chat_template), or format=compact "
+                "with the character tokenizer."
+            )
+        first = tools[0].name
+        self._conversation = [
+            {"role": "user", "content": "Use a tool."},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": first, "arguments": {}},
+                    }
+                ],
+            },
+        ]
+        base = self._ids(self._conversation, generation_prompt=False)
+        special = set(tokenizer.all_special_ids)
+        ends = [i for i, t in enumerate(base) if t in special and t != tokenizer.pad_token_id]
+        if not ends:
+            raise FormatError(
+                "the chat template ends an assistant message with no special token, so a turn's "
+                "end cannot be told: use a chat template with an end-of-turn token."
+            )
+        self.turn_end_id = base[ends[-1]]
+        self.prefix = base[: ends[-1] + 1]
+        eos = tokenizer.eos_token_id
+        self.stop_ids = tuple(dict.fromkeys(t for t in (self.turn_end_id, eos) if t is not None))
+        prompt = self.decode(self._ids(self._conversation[:1], generation_prompt=True))
+        if first not in prompt:
+            raise FormatError(
+                f"the chat template does not render the tool list (tools=[...{first}...] leaves "
+                "no trace in the prompt): use a chat template with tool support."
+            )
+        for n in (1, 2):
+            block = self.render([self._SENTINEL] * n)
+            if self.decode(block).count(self._SENTINEL) != n:
+                raise FormatError(
+                    "the chat template does not render role 'tool' messages (the tool's answer is "
+                    "missing from the rendering): use a chat template with tool support."
+                )
+
+    def _ids(self, messages, generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=self.schemas,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FormatError(
+                f"the chat template cannot render a conversation with tool calls and tool "
+                f"messages ({reason}): use a chat template with tool support."
+            ) from None
+        return self.encode(text)
+
+    def render(self, texts: Sequence[str]) -> list[int]:
+        messages = [{"role": "tool", "content": t, "tool_call_id": "call_0"} for t in texts]
+        ids = self._ids(self._conversation + messages, generation_prompt=True)
+        n = len(self.prefix)
+        if ids[:n] != self.prefix:
+            at = next(i for i in range(n) if i >= len(ids) or ids[i] != self.prefix[i])
+            raise FormatError(
+                f"the chat template's rendering with the tool messages does not start with its "
+                f"rendering without them (at token {at}, {self.decode(self.prefix[at : at + 8])!r} "
+                f"became {self.decode(ids[at : at + 8])!r}): tool tokens cannot be appended to "
+                "the model's own; use a chat template that renders earlier messages the same way "
+                "whatever follows them."
+            )
+        return ids[n:]
+
+    def overhead(self, n: int) -> int:
+        return len(self.render([""] * n))
+
+    def parse(self, ids: Sequence[int]) -> list[Call]:
+        calls = []
+        for body in self._CALL.findall(self.decode(ids)):
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError as e:
+                reason = f"invalid JSON in tool call: {e.msg} at char {e.pos}"
+                calls.append(Call(None, None, reason))
+                continue
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                calls.append(Call(None, None, 'a tool call is {"name": ..., "arguments": {...}}'))
+                continue
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError as e:
+                    calls.append(
+                        Call(
+                            call["name"],
+                            None,
+                            f"invalid JSON in arguments of {call['name']}: {e.msg} at char {e.pos}",
+                        )
+                    )
+                    continue
+            calls.append(Call(call["name"], arguments))
+        return calls
+
+
+@FORMATS.register("compact")
+class CompactFormat(_TokenizerText):
+    """`<arg>` / `<name:arg>` calls, `=answer;` blocks, for the character tokenizer."""
+
+    OPEN, CLOSE, ANSWER, END = "<", ">", "=", ";"
+    marker = ".."
+
+    def __init__(self, tokenizer, tools):
+        super().__init__(tokenizer)
+        vocab = tokenizer.get_vocab()
+        if any(vocab.get(ch) != i for i, ch in enumerate(tokenizers.CHAR_VOCAB)):
+            raise FormatError(
+                "format=compact is made for the built-in character tokenizer (one token per "
+                "character): use tokenizer=char, or format=hermes with a chat model's tokenizer."
+            )
+        self.tools = {t.name: t for t in tools}
+        self.default = tools[0]
+        self.close_id = vocab[self.CLOSE]
+        self.stop_ids = (tokenizer.eos_token_id, self.close_id)
+        self._chars = set(tokenizers.CHAR_VOCAB[len(tokenizers.SPECIAL_TOKENS) :])
+
+    def _clean(self, text: str) -> str:
+        """Characters outside the vocabulary become '?' (never <unk>); separators become ','."""
+        text = text.replace("\n", " ").replace(self.END, ",")
+        return "".join(ch if ch in self._chars else "?" for ch in text)
+
+    def render(self, texts: Sequence[str]) -> list[int]:
+        return self.encode("".join(f"{self.ANSWER}{self._clean(t)}{self.END}" for t in texts))
+
+    def overhead(self, n: int) -> int:
+        return 2 * n
+
+    def parse(self, ids: Sequence[int]) -> list[Call]:
+        ids = list(ids)
+        if not ids or ids[-1] != self.close_id:
+            return []
+        text = self.decode(ids[:-1])
+        start = text.rfind(self.OPEN)
+        if start < 0:
+            return [Call(None, None, f"'{self.CLOSE}' closes no call: write <expression>")]
+        body = text[start + 1 :]
+        name, sep, rest = body.partition(":")
+        t = self.tools[name] if sep and name in self.tools else self.default
+        arg = rest if sep and name in self.tools else body
+        params = t.parameters
+        keys = list(params.get("required") or []) or list(params.get("properties") or {})
+        if not keys:
+            return [Call(t.name, {})]
+        return [Call(t.name, {keys[0]: arg})]

@@ -1,0 +1,263 @@
+"""The host side of a multi-turn rollout: the object the step calls between turns.
+
+Inside the jitted step, decoding pauses a row when it emits one of `ToolHost.stop_ids`; the step
+then calls the host (through `jax.pure_callback` / `io_callback`) with the rows written so far.
+For each waiting row the host reads the calls of the turn that just ended, runs them on host
+threads with a time limit, renders their answers as one block of tokens and returns the blocks;
+the step appends each block to its row (response mask 0) and decoding goes on. A row is finished
+when its turn has no call, when it has used `max_assistant_turns`, or when its response is full.
+
+    host = make_tool_host(cfg, tokenizer, max_response_length=R)
+    result = host(response_ids, length, turn_start, waiting, turns)   # numpy in, TurnResult out
+
+Every array of a `TurnResult` has a fixed shape (block width `host.block_size`), so the step's
+callback has static result shapes (`host.result_shapes(B)`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from jrl.config import ConfigError
+from jrl.tools import base, formats, runner
+
+# Columns of TurnResult.stats: per-row counts of one turn (summed over turns by the step).
+STAT_NAMES: tuple[str, ...] = (
+    "tool_turns",  # 1 when a block of answers was appended this turn
+    "tool_calls",  # calls read from the turn (malformed ones included; at most max_parallel_calls)
+    "tool_errors",  # calls answered with an error: bad JSON / unknown tool / bad arguments / raised
+    "tool_timeouts",  # calls still running at rollout.multi_turn.tool_timeout
+    "tool_truncated",  # answers cut to max_tool_response_length tokens
+    "budget_truncated",  # blocks cut to fit the rest of the response (data.max_response_length)
+    "tool_tokens",  # tokens appended (= block_len)
+    "tool_reward",  # rewards returned by the tools (= reward)
+    "tool_seconds",  # seconds the row's calls ran (a time-out counts as the limit)
+    "host_seconds",  # the row's share of the callback's wall time (sums to the host time)
+)
+_COL = {name: i for i, name in enumerate(STAT_NAMES)}
+# Room per answer on top of max_tool_response_length, for tokens that merge differently at the
+# answer's edges once it is inside the template; a block that still exceeds the width is cut more.
+_EDGE_SLACK = 2
+
+
+class TurnResult(NamedTuple):
+    """The host's answer for one pause of the rollout (numpy arrays, B rows)."""
+
+    block_ids: np.ndarray  # [B, K] int32: tokens to append to the row (pad_id after block_len)
+    block_len: np.ndarray  # [B] int32: 0 = nothing to append
+    finished: np.ndarray  # [B] bool: the row's episode ends now
+    reward: np.ndarray  # [B] float32: reward returned by tools this turn (0 if none)
+    stats: np.ndarray  # [B, S] float32: per-row counts this turn, columns STAT_NAMES
+
+
+def error_text(reason: str) -> str:
+    """The answer the model gets for a call that failed: one line."""
+    return "error: " + " ".join(str(reason).split())
+
+
+class ToolHost:
+    """Parses, runs and renders tool calls for the rows that paused (see the module docstring).
+
+    Attributes:
+      block_size: K, the width of `TurnResult.block_ids`.
+      stop_ids: token ids at which decoding pauses a row and calls the host.
+      pad_id: the id after each block's end.
+      schemas: the tools' function schemas (for prompts that list them, e.g. a chat template's
+        `tools=`).
+    """
+
+    def __init__(
+        self,
+        fmt,
+        tools: Sequence[base.Tool],
+        *,
+        pad_id: int,
+        max_response_length: int,
+        max_assistant_turns: int,
+        max_parallel_calls: int,
+        max_tool_response_length: int,
+        truncate_side: str,
+        tool_timeout: float,
+        num_workers: int,
+    ):
+        self.format = fmt
+        self.tools = {t.name: t for t in tools}
+        self.schemas = [t.schema for t in tools]
+        self.pad_id = int(pad_id)
+        self.stop_ids = tuple(int(i) for i in fmt.stop_ids)
+        self.max_response_length = max_response_length
+        self.max_assistant_turns = max_assistant_turns
+        self.max_parallel_calls = max_parallel_calls
+        self.max_tool_response_length = max_tool_response_length
+        self.truncate_side = truncate_side
+        self.tool_timeout = tool_timeout
+        self.num_workers = num_workers
+        self._marker = fmt.encode(fmt.marker)
+        n = max_parallel_calls
+        self.block_size = fmt.overhead(n) + n * (max_tool_response_length + _EDGE_SLACK)
+
+    def result_shapes(self, batch_size: int) -> TurnResult:
+        """The `jax.ShapeDtypeStruct`s of a TurnResult for `batch_size` rows."""
+        b, k, s = batch_size, self.block_size, len(STAT_NAMES)
+        sds = jax.ShapeDtypeStruct
+        return TurnResult(
+            sds((b, k), np.int32),
+            sds((b,), np.int32),
+            sds((b,), np.bool_),
+            sds((b,), np.float32),
+            sds((b, s), np.float32),
+        )
+
+    # ------------------------------------------------------------------------------ one pause
+
+    def __call__(self, response_ids, length, turn_start, waiting, turns) -> TurnResult:
+        t0 = time.perf_counter()
+        response_ids = np.asarray(response_ids)
+        length, turn_start = np.asarray(length), np.asarray(turn_start)
+        waiting, turns = np.asarray(waiting).astype(bool), np.asarray(turns)
+        b, r = response_ids.shape
+        out = TurnResult(
+            np.full((b, self.block_size), self.pad_id, np.int32),
+            np.zeros((b,), np.int32),
+            np.zeros((b,), np.bool_),
+            np.zeros((b,), np.float32),
+            np.zeros((b, len(STAT_NAMES)), np.float32),
+        )
+        answers: dict[int, list] = {}  # row -> [text or None (pending job)] per call
+        jobs: list[tuple[int, int, base.Tool, dict]] = []  # (row, call, tool, arguments)
+        rows = [int(i) for i in np.flatnonzero(waiting)]
+        for i in rows:
+            full = int(length[i]) >= r
+            last_turn = self.max_assistant_turns and int(turns[i]) >= self.max_assistant_turns
+            ids = response_ids[i, int(turn_start[i]) : int(length[i])].tolist()
+            calls = [] if full or last_turn else self.format.parse(ids)
+            if not calls:
+                out.finished[i] = True
+                continue
+            calls = calls[: self.max_parallel_calls]
+            answers[i] = [None] * len(calls)
+            out.stats[i, _COL["tool_calls"]] = len(calls)
+            for j, call in enumerate(calls):
+                reason = self._refusal(call)
+                if reason is None:
+                    jobs.append((i, j, self.tools[call.name], call.arguments))
+                else:
+                    answers[i][j] = error_text(reason)
+                    out.stats[i, _COL["tool_errors"]] += 1
+
+        outcomes = runner.run_calls(
+            [lambda t=t, a=a: t.fn(**a) for _, _, t, a in jobs],
+            num_workers=self.num_workers,
+            timeout=self.tool_timeout,
+        )
+        for (i, j, t, _), outcome in zip(jobs, outcomes):
+            out.stats[i, _COL["tool_seconds"]] += outcome.seconds
+            if outcome.status == "ok":
+                try:
+                    answers[i][j], reward = base.normalize_result(outcome.value)
+                    out.reward[i] += reward
+                    continue
+                except Exception as e:  # noqa: BLE001 - e.g. a reward that is not a number
+                    outcome = runner.Outcome("error", e, outcome.seconds)
+            if outcome.status == "timeout":
+                answers[i][j] = error_text(f"{t.name} timed out after {self.tool_timeout:g} s")
+                out.stats[i, _COL["tool_timeouts"]] += 1
+            else:
+                e = outcome.value  # a ValueError's message is the reason (calc's are)
+                reason = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+                answers[i][j] = error_text(reason)
+                out.stats[i, _COL["tool_errors"]] += 1
+
+        for i, texts in answers.items():
+            block, cut, budget_cut = self._block(texts, room=r - int(length[i]))
+            out.block_ids[i, : len(block)] = block
+            out.block_len[i] = len(block)
+            out.stats[i, _COL["tool_turns"]] = 1
+            out.stats[i, _COL["tool_truncated"]] = cut
+            out.stats[i, _COL["budget_truncated"]] = budget_cut
+            out.stats[i, _COL["tool_tokens"]] = len(block)
+        out.stats[:, _COL["tool_reward"]] = out.reward
+        if rows:
+            out.stats[rows, _COL["host_seconds"]] = (time.perf_counter() - t0) / len(rows)
+        return out
+
+    def _refusal(self, call: formats.Call) -> str | None:
+        """Why `call` cannot run (malformed, unknown tool, bad arguments), or None."""
+        if call.error is not None:
+            return call.error
+        if call.name not in self.tools:
+            return f"unknown tool {call.name!r}; the tools are {', '.join(self.tools)}"
+        return base.check_arguments(self.tools[call.name], call.arguments)
+
+    def _truncated(self, texts: Sequence[str], limit: int) -> tuple[list[str], int]:
+        """Each answer cut to `limit` tokens (on the configured side); how many were cut."""
+        out, cut = [], 0
+        for text in texts:
+            ids = self.format.encode(text)
+            if len(ids) > limit:
+                cut += 1
+                kept = formats.truncate_tokens(ids, limit, self.truncate_side, self._marker)
+                text = self.format.decode(kept)
+            out.append(text)
+        return out, cut
+
+    def _block(self, texts: Sequence[str], room: int) -> tuple[list[int], int, int]:
+        """The block of a turn's answers, at most `block_size` and `room` tokens; the number of
+        answers cut to max_tool_response_length, and 1 if the block was cut to fit `room`."""
+        limit = self.max_tool_response_length
+        kept, cut = self._truncated(texts, limit)
+        block = self.format.render(kept)
+        while len(block) > self.block_size and limit > 0:  # edges merged into extra tokens
+            limit = max(0, limit - max(1, (len(block) - self.block_size) // len(texts)))
+            kept, _ = self._truncated(texts, limit)
+            block = self.format.render(kept)
+        if len(block) <= room:
+            return block, cut, 0
+        # The rest of the response cannot hold it: cut the answers further, then the block.
+        while len(block) > room and limit > 0:
+            limit = max(0, limit - max(1, -(-(len(block) - room) // len(texts))))
+            kept, _ = self._truncated(texts, limit)
+            block = self.format.render(kept)
+        return block[: max(0, room)], cut, 1
+
+
+def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
+    """The ToolHost of `cfg.rollout.multi_turn` for `tokenizer`; ConfigError (one line) when a
+    tool cannot be loaded, the format cannot be rendered with this tokenizer, or a block of tool
+    answers would not leave room for the model in `max_response_length` tokens."""
+    mt = cfg.rollout.multi_turn
+    try:
+        tools = base.resolve_tools(mt.tools)
+    except ValueError as e:
+        raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
+    if not tools:
+        raise ConfigError("rollout.multi_turn.tools is empty: name at least one, e.g. calc.")
+    try:
+        fmt = formats.FORMATS.get(mt.format)(tokenizer, tools)
+    except ValueError as e:  # FormatError, or an unknown format name
+        raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
+    host = ToolHost(
+        fmt,
+        tools,
+        pad_id=tokenizer.pad_token_id,
+        max_response_length=max_response_length,
+        max_assistant_turns=mt.max_assistant_turns,
+        max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        truncate_side=mt.tool_response_truncate_side,
+        tool_timeout=mt.tool_timeout,
+        num_workers=mt.num_workers,
+    )
+    if host.block_size >= max_response_length:
+        raise ConfigError(
+            f"rollout.multi_turn: a block of tool answers takes up to {host.block_size} tokens "
+            f"(max_parallel_calls={mt.max_parallel_calls} x max_tool_response_length="
+            f"{mt.max_tool_response_length} plus the format's tokens), not less than the "
+            f"response budget data.max_response_length={max_response_length}: lower "
+            f"max_tool_response_length or raise data.max_response_length."
+        )
+    return host
