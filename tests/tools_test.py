@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from jrl import config, tools
 from jrl.tokenizer import char_tokenizer
-from jrl.tools import calc
+from jrl.tools import calc, python_tool
 from jrl.tools.host import STAT_NAMES, make_tool_host
 from jrl.tools.metrics import multi_turn_metrics
 
@@ -506,3 +506,28 @@ def test_multi_turn_metrics_by_hand():
         "timing_s/tool_host": 0.5,
     }
     assert {k: float(v) for k, v in m.items()} == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------------- the python tool
+
+
+def test_python_tool_limits():
+    try:
+        python_tool.check_sandbox()
+    except ValueError as e:
+        pytest.skip(str(e))
+    run = python_tool.run_python
+    assert run("print(6 * 7)") == "42"
+    assert run("print(1)\n1/0") == "1\nZeroDivisionError: division by zero\n(exit status 1)"
+    net = "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=5)"
+    assert run(net) == "OSError: [Errno 101] Network is unreachable\n(exit status 1)"
+    assert run("while True: pass", cpu_s=1, wall_s=20) == "(killed: over 1 s of CPU time)"
+    assert run("import time\ntime.sleep(30)", wall_s=0.5) == "(killed after 0.5 s)"
+    assert run("x = bytearray(2 << 30)", memory_mb=256) == "MemoryError\n(exit status 1)"
+    assert run("print('a' * 10000)", output_chars=8) == "aaaaaaaa\n(output truncated)"
+
+
+def test_python_tool_is_refused_without_a_sandbox(qwen, monkeypatch):
+    monkeypatch.setattr(python_tool, "SANDBOX", ("false",))
+    with pytest.raises(config.ConfigError, match="^rollout.multi_turn.tools: python: .*unshare"):
+        make_tool_host(multi_turn_config(tools="calc,python"), qwen, max_response_length=999)

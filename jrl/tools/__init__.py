@@ -1,6 +1,8 @@
 """Tools for multi-turn rollouts: the registry, the built-in tools and the call formats.
 
-    TOOLS        name -> Tool (built-in: "calc", exact arithmetic; jrl/tools/calc.py)
+    TOOLS        name -> Tool (built-in: "calc", exact arithmetic, jrl/tools/calc.py; "python",
+                 a program run in a subprocess with limits and no network,
+                 jrl/tools/python_tool.py)
     FORMATS      name -> call format ("hermes" for HF chat templates, "compact" for the
                  character tokenizer; jrl/tools/formats.py)
     resolve_tools("calc,package.module:function") -> [Tool]
@@ -11,6 +13,7 @@ config module, which imports this package for the names above); its metrics are
 """
 
 from jrl.tools import calc as _calc
+from jrl.tools import python_tool as _python_tool
 from jrl.tools.base import (
     TOOLS,
     Tool,
@@ -24,6 +27,7 @@ from jrl.tools.base import (
 from jrl.tools.formats import FORMATS, SIDES, Call, FormatError, truncate_tokens
 
 TOOLS.add("calc", Tool(name="calc", fn=_calc.calc, schema=_calc.CALC_SCHEMA))
+TOOLS.add("python", _python_tool.PYTHON_TOOL)
 
 
 def names() -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -27,12 +28,14 @@ from jrl.rewards.math import import_path
 
 @dataclass(frozen=True)
 class Tool:
-    """A named host function and its OpenAI-style function schema
-    (`{"type": "function", "function": {"name", "description", "parameters"}}`)."""
+    """A named host function, its OpenAI-style function schema
+    (`{"type": "function", "function": {"name", "description", "parameters"}}`) and an optional
+    `check()` run when the run is built (e.g. that a sandbox is available)."""
 
     name: str
     fn: Callable[..., Any]
     schema: dict
+    check: Callable[[], None] | None = None  # raises ValueError when the tool cannot run here
 
     @property
     def parameters(self) -> dict:
@@ -150,6 +153,8 @@ def normalize_result(value: Any) -> tuple[str, float]:
     reward = 0.0
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float)):
         value, reward = value
+        if not math.isfinite(reward):
+            raise ValueError(f"the tool's reward {reward} is not finite")
     if not isinstance(value, str):
         try:
             value = json.dumps(value, ensure_ascii=False)

@@ -236,6 +236,11 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
         raise ConfigError(f"rollout.multi_turn.tools: {e}") from None
     if not tools:
         raise ConfigError("rollout.multi_turn.tools is empty: name at least one, e.g. calc.")
+    for t in tools:
+        try:
+            t.check and t.check()
+        except ValueError as e:
+            raise ConfigError(f"rollout.multi_turn.tools: {t.name}: {e}") from None
     try:
         fmt = formats.FORMATS.get(mt.format)(tokenizer, tools)
     except ValueError as e:  # FormatError, or an unknown format name
