@@ -253,6 +253,8 @@ def test_hermes_block_is_the_chat_template_diff(qwen):
     prefix = without[: without.rindex("<|im_end|>") + len("<|im_end|>")]
     assert with_msg.startswith(prefix)
     assert fmt.render(["408"]) == qwen.encode(with_msg[len(prefix) :], add_special_tokens=False)
+    full, head = (qwen.encode(t, add_special_tokens=False) for t in (with_msg, prefix))
+    assert full[: len(head)] == head and fmt.render(["408"]) == full[len(head) :]  # in tokens
     # Two answers share one user turn, as Qwen renders consecutive tool messages.
     two = fmt.decode(fmt.render(["1", "2"]))
     assert two == (
@@ -377,8 +379,8 @@ def test_turn_limit_runs_no_tool_and_extra_calls_are_ignored(qwen):
 
 
 def test_compact_format_round_trip_with_the_char_tokenizer(char):
-    cfg = multi_turn_config(format="compact", max_tool_response_length=64)
-    host = make_tool_host(cfg, char, max_response_length=128)
+    cfg = multi_turn_config(format="compact", max_tool_response_length=64, max_parallel_calls=4)
+    host = make_tool_host(cfg, char, max_response_length=128)  # one call per turn: 4 is moot
     assert host.stop_ids == (2, char.convert_tokens_to_ids(">"))
     assert host.block_size == 2 + 64 + 2
     result = pause(

@@ -2,9 +2,9 @@
 
 A tool is a `Tool(name, fn, schema)`. `fn(**arguments)` runs on the host with the arguments the
 model wrote (a JSON object checked against the schema's `parameters` first) and returns its answer:
-a string, or `(text, reward)` to also give the row a reward (summed into the step's score), or
-any other value (written with `json.dumps`). An exception is an answer too: the model is told
-`error: <reason>` and the call counts in `tool_calls/errors`.
+a string, or `(text, reward)` to also give the row a reward (`TurnResult.reward`, for the step
+to add to the row's score), or any other value (written with `json.dumps`). An exception is an
+answer too: the model is told `error: <reason>` and the call counts in `tool_calls/errors`.
 
 Built-in tools are entries of `TOOLS`; a user tool is named in the config as
 "package.module:function" (as a user reward is) and may be

@@ -5,7 +5,8 @@ A format is built once per run, `FORMATS.get(name)(tokenizer, tools)`, and gives
   - `parse(ids) -> [Call]`: the calls in one assistant turn (empty: the turn ends the episode);
   - `render(texts) -> [int]`: the block of tokens appended after the turn for its answers;
   - `overhead(n)`: the tokens `render` adds around n answers (its block without the answers);
-  - `encode` / `decode` of an answer's text, and `marker`, the text marking a truncated answer.
+  - `encode` / `decode` of an answer's text, `marker`, the text marking a truncated answer, and
+    `max_calls`, the most calls a turn can hold (None: any number).
 
 Two formats:
   - `hermes` (HF chat models): the model writes `<tool_call>{"name": ..., "arguments": {...}}
@@ -23,6 +24,7 @@ Two formats:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, NamedTuple, Sequence
@@ -89,6 +91,7 @@ class _TokenizerText:
 @FORMATS.register("hermes")
 class HermesFormat(_TokenizerText):
     marker = "...(truncated)..."
+    max_calls = None  # any number of calls per turn
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _SENTINEL = "TOOL_ANSWER_3f9a"
 
@@ -116,7 +119,8 @@ class HermesFormat(_TokenizerText):
                 ],
             },
         ]
-        base = self._ids(self._conversation, generation_prompt=False)
+        base_text = self._text(self._conversation, generation_prompt=False)
+        base = self.encode(base_text)
         special = set(tokenizer.all_special_ids)
         ends = [i for i, t in enumerate(base) if t in special and t != tokenizer.pad_token_id]
         if not ends:
@@ -128,12 +132,19 @@ class HermesFormat(_TokenizerText):
         self.prefix = base[: ends[-1] + 1]
         eos = tokenizer.eos_token_id
         self.stop_ids = tuple(dict.fromkeys(t for t in (self.turn_end_id, eos) if t is not None))
-        prompt = self.decode(self._ids(self._conversation[:1], generation_prompt=True))
+        prompt = self._text(self._conversation[:1], generation_prompt=True)
         if first not in prompt:
             raise FormatError(
                 f"the chat template does not render the tool list (tools=[...{first}...] leaves "
                 "no trace in the prompt): use a chat template with tool support."
             )
+        # Fast path: tokenize only the text after the prefix, where that gives the same tokens as
+        # the diff of the whole renderings (it does when the end-of-turn token splits the text, as
+        # added tokens do; not with e.g. a prefix space added to the start of a text).
+        end_text = tokenizer.convert_ids_to_tokens(self.turn_end_id)
+        cut = base_text.rfind(end_text) + len(end_text)
+        self._prefix_text = base_text[:cut] if self.encode(base_text[:cut]) == self.prefix else None
+        self._render_cached = functools.lru_cache(maxsize=4096)(self._render)
         for n in (1, 2):
             block = self.render([self._SENTINEL] * n)
             if self.decode(block).count(self._SENTINEL) != n:
@@ -141,10 +152,13 @@ class HermesFormat(_TokenizerText):
                     "the chat template does not render role 'tool' messages (the tool's answer is "
                     "missing from the rendering): use a chat template with tool support."
                 )
+            if self._prefix_text is not None and block != self._render_tokens(self._messages(n)):
+                self._prefix_text = None
+                self._render_cached.cache_clear()
 
-    def _ids(self, messages, generation_prompt: bool) -> list[int]:
+    def _text(self, messages, generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages,
                 tools=self.schemas,
                 tokenize=False,
@@ -156,11 +170,16 @@ class HermesFormat(_TokenizerText):
                 f"the chat template cannot render a conversation with tool calls and tool "
                 f"messages ({reason}): use a chat template with tool support."
             ) from None
-        return self.encode(text)
 
-    def render(self, texts: Sequence[str]) -> list[int]:
-        messages = [{"role": "tool", "content": t, "tool_call_id": "call_0"} for t in texts]
-        ids = self._ids(self._conversation + messages, generation_prompt=True)
+    def _messages(self, texts) -> list[dict]:
+        if isinstance(texts, int):
+            texts = [self._SENTINEL] * texts
+        tool = [{"role": "tool", "content": t, "tool_call_id": "call_0"} for t in texts]
+        return self._conversation + tool
+
+    def _render_tokens(self, messages) -> list[int]:
+        """The block by definition: the rendering with the messages minus the prefix, in tokens."""
+        ids = self.encode(self._text(messages, generation_prompt=True))
         n = len(self.prefix)
         if ids[:n] != self.prefix:
             at = next(i for i in range(n) if i >= len(ids) or ids[i] != self.prefix[i])
@@ -172,6 +191,17 @@ class HermesFormat(_TokenizerText):
                 "whatever follows them."
             )
         return ids[n:]
+
+    def _render(self, texts: tuple[str, ...]) -> tuple[int, ...]:
+        messages = self._messages(list(texts))
+        if self._prefix_text is not None:
+            text = self._text(messages, generation_prompt=True)
+            if text.startswith(self._prefix_text):
+                return tuple(self.encode(text[len(self._prefix_text) :]))
+        return tuple(self._render_tokens(messages))
+
+    def render(self, texts: Sequence[str]) -> list[int]:
+        return list(self._render_cached(tuple(texts)))
 
     def overhead(self, n: int) -> int:
         return len(self.render([""] * n))
@@ -211,6 +241,7 @@ class CompactFormat(_TokenizerText):
 
     OPEN, CLOSE, ANSWER, END = "<", ">", "=", ";"
     marker = ".."
+    max_calls = 1  # a turn ends at its call's ">"
 
     def __init__(self, tokenizer, tools):
         super().__init__(tokenizer)

@@ -91,13 +91,13 @@ class ToolHost:
         self.stop_ids = tuple(int(i) for i in fmt.stop_ids)
         self.max_response_length = max_response_length
         self.max_assistant_turns = max_assistant_turns
-        self.max_parallel_calls = max_parallel_calls
+        self.max_parallel_calls = min(max_parallel_calls, fmt.max_calls or max_parallel_calls)
         self.max_tool_response_length = max_tool_response_length
         self.truncate_side = truncate_side
         self.tool_timeout = tool_timeout
         self.num_workers = num_workers
         self._marker = fmt.encode(fmt.marker)
-        n = max_parallel_calls
+        n = self.max_parallel_calls
         self.block_size = fmt.overhead(n) + n * (max_tool_response_length + _EDGE_SLACK)
 
     def result_shapes(self, batch_size: int) -> TurnResult:
