@@ -263,6 +263,19 @@ def test_hermes_block_is_the_chat_template_diff(qwen):
     )
 
 
+def test_a_thinking_template_is_accepted(qwen):
+    # As Qwen3's: an assistant message shows its reasoning when it is the last message or has
+    # reasoning of its own; the generation prompt opens a <think> block.
+    thinking = QWEN_STYLE_TEMPLATE.replace(
+        "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}",
+        "{% else %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and (loop.last or m.reasoning_content) %}"
+        "<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}{{ m.content }}",
+    ).replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+    fmt = tools.FORMATS.get("hermes")(qwen_style_tokenizer(thinking), tools.resolve_tools("calc"))
+    assert fmt.decode(fmt.render(["408"])) == TOOL_BLOCK.format("408") + "<think>\n"
+
+
 def test_templates_that_cannot_render_tools_are_refused(qwen):
     calc_tools = tools.resolve_tools("calc")
     # The message count in a header: the rendering with a tool message changes its prefix.

@@ -110,6 +110,10 @@ class HermesFormat(_TokenizerText):
             {
                 "role": "assistant",
                 "content": "",
+                # Templates of thinking models (Qwen3) render an assistant's reasoning when the
+                # message is last or has reasoning of its own: with some, the rendering does not
+                # change once tool messages follow, as the model's own turn (which thought) does.
+                "reasoning_content": "I will use the tool.",
                 "tool_calls": [
                     {
                         "id": "call_0",
