@@ -214,7 +214,7 @@ def base_config() -> ml_collections.ConfigDict:
         False  # DAPO dynamic sampling: drop groups whose scores all agree
     )
     c.algorithm.filter_groups.metric = (
-        "acc"  # what must differ within a group: acc (task reward) | score
+        "acc"  # what must differ within a group: acc (task reward) | score (acc + overlong)
     )
     c.algorithm.filter_groups.max_num_gen_batches = (
         4  # generation rounds (of fresh prompts) per step

@@ -653,7 +653,8 @@ def dynamic_sampling(spec: StepSpec, params, pool: Batch, key):
     rounds = filter_groups.max_num_gen_batches
     chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
     take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
-    signal = lambda e: group_has_signal(e[filter_groups.metric], n)
+    metric = {"acc": "acc", "score": "scores"}[filter_groups.metric]  # verl's names -> exp's keys
+    signal = lambda e: group_has_signal(e[metric], n)
 
     first = rollout_and_reward(spec, params, take(0), jax.random.fold_in(key, 0))
     keep = signal(first)

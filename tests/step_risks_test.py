@@ -1,6 +1,7 @@
-"""Correctness of the step's optimizer bookkeeping: critic warm-up leaves the policy and its
-optimizer untouched (verl skips the actor's update), and the logged learning rate follows the
-optimizer's own count of applied updates (a step skipped by the NaN guard applies none)."""
+"""Correctness of the step: critic warm-up leaves the policy and its optimizer untouched (verl
+skips the actor's update), the logged learning rate follows the optimizer's own count of applied
+updates (a step skipped by the NaN guard applies none), and DAPO's dynamic sampling filters by
+either of verl's metric names."""
 
 import os
 import sys
@@ -106,3 +107,46 @@ def test_the_update_gives_clip_cov_its_random_choice_of_tokens():
     terms = lambda key: step_lib.policy_terms(spec, out, mb, counts, jax.random.key(key))[0]
     assert float(terms(1)) == float(terms(1))
     assert len({float(terms(k)) for k in range(4)}) > 1
+
+
+def zero_reward(batch, response_ids, response_mask, *, eos_id):
+    return jnp.zeros(response_ids.shape[:1], jnp.float32)
+
+
+def eos_often(params, eos_id: int, weight: float = 4.5):
+    """The tiny model's params changed so that EOS is likely at some positions and not at others
+    (responses of every length): the final norm keeps only hidden dimension 0, which only EOS's
+    (tied) embedding reads, so EOS's logit is `weight * h_0` and every other token's is 0."""
+    scale = jnp.zeros_like(params["final_norm"]["scale"]).at[0].set(1.0)
+    embed = params["embed"].at[:, 0].set(0.0).at[eos_id, 0].set(weight)
+    return {**params, "embed": embed, "final_norm": {"scale": scale}}
+
+
+def test_dynamic_sampling_filters_by_score_the_overlong_shaped_reward():
+    """filter_groups.metric="score" (verl's name; the experience calls it `scores`): a reward of 0
+    everywhere gives no group an `acc` signal, but the overlong penalty over the whole response
+    (buffer = R = 4, factor 1: score = -len / 4) does wherever a group's lengths differ. The
+    kept groups come first and are exactly those; each row's score is -len / 4. (The step
+    indexed the experience with "score": a KeyError while tracing.)"""
+    cfg = grpo_math.get_config("tiny")
+    cfg.algorithm.filter_groups.enable = True
+    cfg.algorithm.filter_groups.metric = "score"
+    cfg.algorithm.filter_groups.max_num_gen_batches = 2
+    cfg.reward.overlong_buffer.enable = True
+    cfg.reward.overlong_buffer.len = 4
+    cfg.reward.overlong_buffer.penalty_factor = 1.0
+    tok, task, _, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    assert ids["max_new_tokens"] == 4
+    params = eos_often(trainer.initial_params(cfg, model_cfg, jax.random.key(0)), ids["eos_id"])
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
+    pool = task.train_batch(0, step_lib.prompts_per_step(cfg))
+    exp, metrics = jax.jit(generate)(state, pool, jax.random.key(2))
+    length = np.asarray(exp["response_mask"]).sum(-1)
+    np.testing.assert_array_equal(exp["acc"], 0.0)
+    np.testing.assert_allclose(exp["scores"], -length / 4.0)
+    differ = [len(set(g)) > 1 for g in length.reshape(-1, cfg.rollout.n)]
+    filled = round(float(metrics["training/filled_groups_ratio"]) * cfg.data.train_batch_size)
+    assert 0 < filled < cfg.data.train_batch_size  # (2 of 4 here)
+    assert differ == [True] * filled + [False] * (cfg.data.train_batch_size - filled)
