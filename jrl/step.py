@@ -639,8 +639,9 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         scores = acc + overlong_penalty(
             length, spec.max_new_tokens, overlong.len, overlong.penalty_factor
         )
-    if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward
-        base = rollout_and_reward(spec, params, prompts, key, greedy=True)["acc"]
+    if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward,
+        # shaped as the samples' (verl: the baseline's rm_scores, from the same reward manager)
+        base = rollout_and_reward(spec, params, prompts, key, greedy=True)["scores"]
         exp["reward_baselines"] = jnp.repeat(base, n)
     return {**exp, "acc": acc, "scores": scores}
 

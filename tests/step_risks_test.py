@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from jrl import rollout
 from jrl import step as step_lib
 from jrl import trainer
 
@@ -150,3 +151,31 @@ def test_dynamic_sampling_filters_by_score_the_overlong_shaped_reward():
     filled = round(float(metrics["training/filled_groups_ratio"]) * cfg.data.train_batch_size)
     assert 0 < filled < cfg.data.train_batch_size  # (2 of 4 here)
     assert differ == [True] * filled + [False] * (cfg.data.train_batch_size - filled)
+
+
+def test_remax_baseline_is_the_greedy_answers_shaped_score():
+    """ReMax with DAPO's overlong penalty over the whole response (buffer = R = 4, factor 1) and
+    a reward of 0: each row's baseline is its prompt's greedy answer's score, -len / 4 with the
+    greedy answer's length, the reward the sampled rows' scores (-len / 4) are; verl takes both
+    from the same reward manager. (The baseline was the greedy answer's `acc`, 0.)"""
+    cfg = grpo_math.get_config("tiny")
+    cfg.algorithm.adv_estimator = "remax"
+    cfg.reward.overlong_buffer.enable = True
+    cfg.reward.overlong_buffer.len = 4
+    cfg.reward.overlong_buffer.penalty_factor = 1.0
+    tok, task, _, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
+    prompts = task.train_batch(0, cfg.data.train_batch_size)
+    exp, _ = jax.jit(generate)(state, prompts, jax.random.key(2))
+
+    def greedy_answer(p, x, m):
+        return rollout.generate(model_cfg, p, x, m, jax.random.key(0), greedy=True, **ids)
+
+    greedy = jax.jit(greedy_answer)(params, prompts["input_ids"], prompts["attention_mask"])
+    greedy_length = np.asarray(greedy.response_mask).sum(-1)
+    np.testing.assert_allclose(exp["scores"], -np.asarray(exp["response_mask"]).sum(-1) / 4.0)
+    want = np.repeat(-greedy_length / 4.0, cfg.rollout.n)
+    np.testing.assert_allclose(exp["reward_baselines"], want)
