@@ -85,8 +85,9 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
     and the scoring forward of the policy is skipped. Not when something needs the old
     log-probs before the update: KL in the reward, an estimator that reads them (GROUP-PPO, the
     optimal token baselines), rollout correction (its IS weights and rejection compare them with
-    the rollout's before the advantages, as verl; bypass mode uses the rollout's instead), or
-    values from a value head on the policy's own forward."""
+    the rollout's before the advantages, as verl; bypass mode uses the rollout's instead),
+    values from a value head on the policy's own forward, or LoRA dropout (the update's forward
+    drops adapter inputs; the old log-probs are those of the policy without dropout, as verl's)."""
     return (
         cfg.actor.ppo_epochs == 1
         and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
@@ -94,6 +95,7 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
         and "old_log_prob" not in adv_lib.needs(cfg.algorithm.adv_estimator)
         and not cfg.algorithm.rollout_correction.enable
         and not (needs_critic(cfg) and cfg.critic.share_backbone)
+        and not lora_dropout_on(cfg)
     )
 
 
