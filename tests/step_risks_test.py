@@ -1,7 +1,8 @@
 """Correctness of the step: critic warm-up leaves the policy and its optimizer untouched (verl
 skips the actor's update), the logged learning rate follows the optimizer's own count of applied
-updates (a step skipped by the NaN guard applies none), and DAPO's dynamic sampling filters by
-either of verl's metric names."""
+updates (a step skipped by the NaN guard applies none), a value head on the policy trains with the
+critic's optimizer settings, DAPO's dynamic sampling filters by either of verl's metric names, and
+ReMax's greedy baseline is shaped as the samples' scores."""
 
 import os
 import sys
@@ -51,6 +52,29 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     state, _ = step(state, batch)  # past the warm-up: the policy trains
     assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)
     assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
+
+
+def test_a_value_head_on_the_policy_trains_with_the_critics_optimizer_settings():
+    """critic.share_backbone with actor.lr 1e-5 and critic.lr 1e-2 (no weight decay, one update
+    per step): Adam's first update moves each parameter by its rate (lr * g / |g|), so the value
+    head moves by 1e-2 per entry and the backbone by 1e-5; the logged rates are those. (The head
+    trained with the actor's optimizer, 1e-5, while critic/lr said 1e-2.)"""
+    cfg = ppo_math.get_config("tiny,shared")
+    cfg.warmup.sft_steps = 0
+    cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    cfg.actor.lr, cfg.critic.lr = 1e-5, 1e-2
+    cfg.actor.weight_decay = cfg.critic.weight_decay = 0.0
+    state, step, batch = setup(cfg)
+    new, metrics = step(state, batch)
+    assert float(metrics["actor/lr"]) == pytest.approx(1e-5)
+    assert float(metrics["critic/lr"]) == pytest.approx(1e-2)
+    moved = jax.tree.map(
+        lambda a, b: np.abs(np.asarray(b) - np.asarray(a)), state.params, new.params
+    )
+    head = [moved.pop(k) for k in ("value_head", "value_head_bias")]
+    np.testing.assert_allclose(np.concatenate([x.ravel() for x in head]), 1e-2, rtol=1e-3)
+    backbone = np.concatenate([x.ravel() for x in jax.tree.leaves(moved)])
+    assert backbone.max() <= 1.01e-5 and np.median(backbone) > 0.9e-5
 
 
 def nan_reward(batch, response_ids, response_mask, *, eos_id):
