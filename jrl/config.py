@@ -228,7 +228,7 @@ def base_config() -> ml_collections.ConfigDict:
         False  # DAPO dynamic sampling: drop groups whose scores all agree
     )
     c.algorithm.filter_groups.metric = (
-        "acc"  # what must differ within a group: acc (task reward) | score
+        "acc"  # what must differ within a group: acc (task reward) | score (acc + overlong)
     )
     c.algorithm.filter_groups.max_num_gen_batches = (
         4  # generation rounds (of fresh prompts) per step
@@ -238,6 +238,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.share_backbone = (
         False  # True: one network, a value head on the policy; False: separate critic
     )
+    # critic.lr ... grad_clip: the critic's AdamW (with share_backbone: the value head's)
     c.critic.lr = 1e-3  # critic learning rate (AdamW)
     c.critic.lr_warmup_steps = 0  # linear warm-up of the critic learning rate, in updates
     c.critic.betas = (0.9, 0.999)  # AdamW betas

@@ -54,7 +54,11 @@ def sample_token(u_B, logits_BV, *, temperature: float, top_k: int, top_p: float
 
     One uniform per row instead of a Gumbel draw per logit: on XLA:CPU drawing B x V threefry bits
     every decode step cost more than the rest of a small model's step. Tokens outside the
-    top-k / top-p support have probability 0 and are never drawn."""
+    top-k / top-p support have probability 0 and are never drawn: a float32 prefix sum need not
+    be monotone (a token adding 0 can sit one ulp below the one before it, the total one ulp
+    above the last token with mass), so only tokens of positive probability are candidates, and
+    the last of them is taken when rounding leaves none whose cumulative sum reaches the
+    threshold."""
     logits_BV = logits_BV / temperature
     if greedy:
         token = jnp.argmax(logits_BV, axis=-1)
@@ -62,8 +66,11 @@ def sample_token(u_B, logits_BV, *, temperature: float, top_k: int, top_p: float
         kept = filter_logits(logits_BV, top_k, top_p)
         probs = jnp.exp(kept - jnp.max(kept, axis=-1, keepdims=True))  # unnormalised
         cdf = jax.lax.associative_scan(jnp.add, probs, axis=-1)
-        threshold = (1.0 - u_B) * cdf[:, -1]  # in (0, total]: a zero-probability token never wins
-        token = jnp.sum(cdf < threshold[:, None], axis=-1)
+        threshold = (1.0 - u_B) * cdf[:, -1]  # in (0, total]
+        positive = probs > 0
+        reached = positive & (cdf >= threshold[:, None])
+        last = probs.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
+        token = jnp.where(jnp.any(reached, axis=-1), jnp.argmax(reached, axis=-1), last)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
     return token.astype(jnp.int32), logp
 

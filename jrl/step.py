@@ -51,7 +51,7 @@ class TrainState:
 
     step: jax.Array  # int32 scalar: RL steps taken
     params: Any  # policy parameters (with the value head when the critic shares the backbone)
-    opt_state: Any  # policy optimizer state
+    opt_state: Any  # policy optimizer state (`policy_optimizer`: a shared value head's too)
     critic_params: Any  # separate critic (None without a critic or with a shared backbone)
     critic_opt_state: Any  # its optimizer state (None likewise)
     ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is
@@ -85,8 +85,9 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
     and the scoring forward of the policy is skipped. Not when something needs the old
     log-probs before the update: KL in the reward, an estimator that reads them (GROUP-PPO, the
     optimal token baselines), rollout correction (its IS weights and rejection compare them with
-    the rollout's before the advantages, as verl; bypass mode uses the rollout's instead), or
-    values from a value head on the policy's own forward."""
+    the rollout's before the advantages, as verl; bypass mode uses the rollout's instead),
+    values from a value head on the policy's own forward, or LoRA dropout (the update's forward
+    drops adapter inputs; the old log-probs are those of the policy without dropout, as verl's)."""
     return (
         cfg.actor.ppo_epochs == 1
         and cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size
@@ -94,6 +95,7 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
         and "old_log_prob" not in adv_lib.needs(cfg.algorithm.adv_estimator)
         and not cfg.algorithm.rollout_correction.enable
         and not (needs_critic(cfg) and cfg.critic.share_backbone)
+        and not lora_dropout_on(cfg)
     )
 
 
@@ -132,6 +134,18 @@ def make_optimizer(opt_cfg) -> optax.GradientTransformation:
     return _adamw(opt_cfg, lr_schedule(opt_cfg))
 
 
+def policy_optimizer(cfg) -> optax.GradientTransformation:
+    """The optimizer of `TrainState.params`: `make_optimizer(cfg.actor)`; with a value head on the
+    policy's backbone (critic.share_backbone) the head (`lora.HEAD_KEYS`) trains with the critic's
+    settings (critic.lr and its warm-up, betas, weight decay, grad_clip of the head's own
+    gradient), the rest with the actor's (`optax.partition`)."""
+    actor = make_optimizer(cfg.actor)
+    if not (needs_critic(cfg) and cfg.critic.share_backbone):
+        return actor
+    label = lambda params: {k: "critic" if k in lora_lib.HEAD_KEYS else "actor" for k in params}
+    return optax.partition({"actor": actor, "critic": make_optimizer(cfg.critic)}, label)
+
+
 def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
     return cfg.actor.ppo_epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
 
@@ -155,7 +169,7 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
     return TrainState(
         step=jnp.int32(0),
         params=params,
-        opt_state=make_optimizer(cfg.actor).init(params),
+        opt_state=policy_optimizer(cfg).init(params),
         critic_params=critic_params,
         critic_opt_state=critic_opt_state,
         ref_params=ref,
@@ -547,7 +561,7 @@ class StepSpec:
     policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
     estimator: Callable  # (token_level_rewards=, response_mask=, index=, ...) -> advantages, ...
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
-    tx: optax.GradientTransformation  # the policy's optimizer
+    tx: optax.GradientTransformation  # the policy's optimizer (`policy_optimizer`)
     critic_tx: optax.GradientTransformation  # the separate critic's
 
     @property
@@ -598,7 +612,7 @@ def make_spec(
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
         estimator=adv_lib.make_estimator(cfg.algorithm),
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
-        tx=make_optimizer(cfg.actor),
+        tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
     )
 
@@ -639,8 +653,9 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         scores = acc + overlong_penalty(
             length, spec.max_new_tokens, overlong.len, overlong.penalty_factor
         )
-    if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward
-        base = rollout_and_reward(spec, params, prompts, key, greedy=True)["acc"]
+    if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward,
+        # shaped as the samples' (verl: the baseline's rm_scores, from the same reward manager)
+        base = rollout_and_reward(spec, params, prompts, key, greedy=True)["scores"]
         exp["reward_baselines"] = jnp.repeat(base, n)
     return {**exp, "acc": acc, "scores": scores}
 
@@ -653,7 +668,8 @@ def dynamic_sampling(spec: StepSpec, params, pool: Batch, key):
     rounds = filter_groups.max_num_gen_batches
     chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
     take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
-    signal = lambda e: group_has_signal(e[filter_groups.metric], n)
+    metric = {"acc": "acc", "score": "scores"}[filter_groups.metric]  # verl's names -> exp's keys
+    signal = lambda e: group_has_signal(e[metric], n)
 
     first = rollout_and_reward(spec, params, take(0), jax.random.fold_in(key, 0))
     keep = signal(first)
@@ -1008,11 +1024,14 @@ def rl_step(spec: StepSpec, state: TrainState, prompts: Batch):
     guard = all_finite(metrics) if cfg.nan_guard.enable else None
     new_state, update_metrics = update(spec, scored_state, exp, k_shuffle, guard)
     metrics.update(update_metrics)
-    # the learning rate of this step's first update (the optimizers' own counts)
-    metrics["actor/lr"] = lr_schedule(cfg.actor)(schedule_count(state.opt_state))
+    # the learning rate of this step's first update (the optimizers' own counts); a shared
+    # backbone's optimizer holds both, the value head's with critic.* (`policy_optimizer`)
+    actor_opt, critic_opt = state.opt_state, state.critic_opt_state
+    if spec.shared:
+        actor_opt, critic_opt = (state.opt_state.inner_states[k] for k in ("actor", "critic"))
+    metrics["actor/lr"] = lr_schedule(cfg.actor)(schedule_count(actor_opt))
     if "values" in exp:
-        opt_state = state.opt_state if spec.shared else state.critic_opt_state
-        metrics["critic/lr"] = lr_schedule(cfg.critic)(schedule_count(opt_state))
+        metrics["critic/lr"] = lr_schedule(cfg.critic)(schedule_count(critic_opt))
     finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
     ok = jnp.all(jnp.stack(list(finite.values())))
     if cfg.nan_guard.enable:  # a skipped step keeps its KL coefficient and GROUP-PPO tau

@@ -1,7 +1,8 @@
-"""Tests for jrl.algos: worked vectors of ALGORITHMS.md, hand-computed cases, masking, registries.
+"""Tests for jrl.algos: worked vectors of docs/algorithms.md, hand-computed cases, masking and
+registries.
 
 Expected numbers are written out by hand or computed here with small numpy loops written from the
-formulas in ALGORITHMS.md / the docstrings, never by calling the code under test.
+formulas in docs/algorithms.md / the docstrings, never by calling the code under test.
 """
 
 import chex
@@ -40,7 +41,7 @@ def last_token_rewards(scores, mask):
 
 
 def np_whiten(x, m):
-    """Whole-batch whitening with the unbiased variance, as ALGORITHMS.md defines it."""
+    """Whole-batch whitening with the unbiased variance, as docs/algorithms.md defines it."""
     n = m.sum()
     mean = (x * m).sum() / n
     var = (((x - mean) ** 2) * m).sum() / (n - 1)
@@ -142,7 +143,7 @@ def test_worked_vector_4_grpo_unbiased_std():
 
 
 def np_gae(r, v, m, gamma, lam):
-    """Per-row loop of ALGORITHMS.md's GAE: carries only replaced on valid tokens."""
+    """Per-row loop of docs/algorithms.md's GAE: carries only replaced on valid tokens."""
     out = np.zeros_like(r)
     for b in range(r.shape[0]):
         next_v, next_a = 0.0, 0.0

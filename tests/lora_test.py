@@ -278,6 +278,38 @@ def test_dropout_changes_the_update_only():
         assert float(drop[name]) != float(drop_next[name]), name
 
 
+def test_dropout_keeps_the_ratio_and_clipping_on_in_a_one_epoch_update():
+    """One PPO epoch over one mini-batch with lora.dropout = 0.5 and clip ratio 0.01: the old
+    log-probs are the policy's without dropout (verl's), so the update's dropped-out forward
+    gives a ratio != 1 (actor/ppo_kl != 0) that the clip bounds (actor/pg_clipfrac > 0). Without
+    dropout the one-epoch shortcut stays (old = the update's own forward). (The shortcut took the
+    dropped-out forward's own log-probs as the old ones: ratio 1, ppo_kl and clipfrac 0.)"""
+    from jrl import step as step_lib
+    from jrl import trainer
+
+    cfg = _grpo_lora_cfg()
+    cfg.actor.use_kl_loss = False
+    cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    cfg.actor.clip_ratio = 0.01
+    assert step_lib.on_policy_update(cfg)
+    cfg.lora.dropout = 0.5
+    assert not step_lib.on_policy_update(cfg)
+    tok, task, _, model_cfg = trainer.build(cfg)
+    params = tfm.init_params(model_cfg, jax.random.key(0))
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = state.replace(params=_moved(state.params, jax.random.key(3)))
+
+    def parity_reward(batch, response_ids, response_mask, *, eos_id):  # groups' rewards differ
+        return (response_ids[:, 0] % 2).astype(jnp.float32)
+
+    ids = trainer.sampling_ids(tok, task)
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, parity_reward, **ids))
+    _, metrics = step(state, task.train_batch(0, step_lib.prompts_per_step(cfg)))
+    assert float(metrics["critic/advantages/max"]) > 0
+    assert abs(float(metrics["actor/ppo_kl"])) > 1e-4
+    assert float(metrics["actor/pg_clipfrac"]) > 0
+
+
 @pytest.fixture
 def compile_cache(tmp_path):
     """A persistent compilation cache for one test: runs of the same config in one process

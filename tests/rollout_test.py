@@ -120,6 +120,25 @@ def test_sample_token_inverts_the_cdf():
     np.testing.assert_array_equal(tok, [1, 1, 1, 1, 3, 3])
 
 
+def test_sample_token_never_draws_a_filtered_token_where_the_float32_cdf_dips():
+    """A float32 prefix sum need not be monotone; two rows where counting `cdf < threshold`
+    drew a zero-probability token. (a) top-k 4 of 8 logits, u = 0: the threshold is the total,
+    which the scan puts one ulp above the cumulative sum at the last kept token (6), so the
+    filtered token 7 was drawn. (b) top-k 12 of 16 (tokens 5, 7, 12, 14 filtered), u below: the
+    filtered token 7 adds 0, yet its cumulative sum comes out one ulp below token 6's, and the
+    threshold falls between the two, so 7 was drawn. The threshold lies at token 6's cumulative
+    sum in both rows (a: the total, to one ulp; b: u = 1 - cdf_6 / total), and 6 is drawn."""
+    kw = dict(temperature=1.0, top_p=1.0, greedy=False)
+    a = jnp.array([[1.1, -2.0, 3.2, -0.2, -2.6, 1.5, 5.3, 0.3]])
+    b = [5.9, 3.4, 0.8, -1.3, -0.8, -4.1, -0.7, -1.6, 0.4, 1.1, 1.4, -0.5, -2.5, 3.6, -2.7, 2.6]
+    b = jnp.array([b])
+    for logits, k, u in ((a, 4, 0.0), (b, 12, float.fromhex("0x1.09005p-3"))):
+        tok, logp = rollout.sample_token(jnp.array([u]), logits, top_k=k, **kw)
+        kept = np.asarray(rollout.filter_logits(logits, top_k=k))[0] > -1e30
+        assert kept[int(tok[0])] and int(tok[0]) == 6
+        np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[:, 6], rtol=1e-6)
+
+
 def test_sampled_frequencies_follow_the_tempered_softmax():
     """20k draws at temperature 2 of logits log p: frequencies ~ p^(1/2), normalised."""
     p = np.array([0.05, 0.4, 0.1, 0.3, 0.15])

@@ -1,6 +1,8 @@
-"""Correctness of the step's optimizer bookkeeping: critic warm-up leaves the policy and its
-optimizer untouched (verl skips the actor's update), and the logged learning rate follows the
-optimizer's own count of applied updates (a step skipped by the NaN guard applies none)."""
+"""Correctness of the step: critic warm-up leaves the policy and its optimizer untouched (verl
+skips the actor's update), the logged learning rate follows the optimizer's own count of applied
+updates (a step skipped by the NaN guard applies none), a value head on the policy trains with the
+critic's optimizer settings, DAPO's dynamic sampling filters by either of verl's metric names, and
+ReMax's greedy baseline is shaped as the samples' scores."""
 
 import os
 import sys
@@ -11,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+from jrl import rollout
 from jrl import step as step_lib
 from jrl import trainer
 
@@ -49,6 +52,29 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     state, _ = step(state, batch)  # past the warm-up: the policy trains
     assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)
     assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
+
+
+def test_a_value_head_on_the_policy_trains_with_the_critics_optimizer_settings():
+    """critic.share_backbone with actor.lr 1e-5 and critic.lr 1e-2 (no weight decay, one update
+    per step): Adam's first update moves each parameter by its rate (lr * g / |g|), so the value
+    head moves by 1e-2 per entry and the backbone by 1e-5; the logged rates are those. (The head
+    trained with the actor's optimizer, 1e-5, while critic/lr said 1e-2.)"""
+    cfg = ppo_math.get_config("tiny,shared")
+    cfg.warmup.sft_steps = 0
+    cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    cfg.actor.lr, cfg.critic.lr = 1e-5, 1e-2
+    cfg.actor.weight_decay = cfg.critic.weight_decay = 0.0
+    state, step, batch = setup(cfg)
+    new, metrics = step(state, batch)
+    assert float(metrics["actor/lr"]) == pytest.approx(1e-5)
+    assert float(metrics["critic/lr"]) == pytest.approx(1e-2)
+    moved = jax.tree.map(
+        lambda a, b: np.abs(np.asarray(b) - np.asarray(a)), state.params, new.params
+    )
+    head = [moved.pop(k) for k in ("value_head", "value_head_bias")]
+    np.testing.assert_allclose(np.concatenate([x.ravel() for x in head]), 1e-2, rtol=1e-3)
+    backbone = np.concatenate([x.ravel() for x in jax.tree.leaves(moved)])
+    assert backbone.max() <= 1.01e-5 and np.median(backbone) > 0.9e-5
 
 
 def nan_reward(batch, response_ids, response_mask, *, eos_id):
@@ -106,3 +132,74 @@ def test_the_update_gives_clip_cov_its_random_choice_of_tokens():
     terms = lambda key: step_lib.policy_terms(spec, out, mb, counts, jax.random.key(key))[0]
     assert float(terms(1)) == float(terms(1))
     assert len({float(terms(k)) for k in range(4)}) > 1
+
+
+def zero_reward(batch, response_ids, response_mask, *, eos_id):
+    return jnp.zeros(response_ids.shape[:1], jnp.float32)
+
+
+def eos_often(params, eos_id: int, weight: float = 4.5):
+    """The tiny model's params changed so that EOS is likely at some positions and not at others
+    (responses of every length): the final norm keeps only hidden dimension 0, which only EOS's
+    (tied) embedding reads, so EOS's logit is `weight * h_0` and every other token's is 0."""
+    scale = jnp.zeros_like(params["final_norm"]["scale"]).at[0].set(1.0)
+    embed = params["embed"].at[:, 0].set(0.0).at[eos_id, 0].set(weight)
+    return {**params, "embed": embed, "final_norm": {"scale": scale}}
+
+
+def test_dynamic_sampling_filters_by_score_the_overlong_shaped_reward():
+    """filter_groups.metric="score" (verl's name; the experience calls it `scores`): a reward of 0
+    everywhere gives no group an `acc` signal, but the overlong penalty over the whole response
+    (buffer = R = 4, factor 1: score = -len / 4) does wherever a group's lengths differ. The
+    kept groups come first and are exactly those; each row's score is -len / 4. (The step
+    indexed the experience with "score": a KeyError while tracing.)"""
+    cfg = grpo_math.get_config("tiny")
+    cfg.algorithm.filter_groups.enable = True
+    cfg.algorithm.filter_groups.metric = "score"
+    cfg.algorithm.filter_groups.max_num_gen_batches = 2
+    cfg.reward.overlong_buffer.enable = True
+    cfg.reward.overlong_buffer.len = 4
+    cfg.reward.overlong_buffer.penalty_factor = 1.0
+    tok, task, _, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    assert ids["max_new_tokens"] == 4
+    params = eos_often(trainer.initial_params(cfg, model_cfg, jax.random.key(0)), ids["eos_id"])
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
+    pool = task.train_batch(0, step_lib.prompts_per_step(cfg))
+    exp, metrics = jax.jit(generate)(state, pool, jax.random.key(2))
+    length = np.asarray(exp["response_mask"]).sum(-1)
+    np.testing.assert_array_equal(exp["acc"], 0.0)
+    np.testing.assert_allclose(exp["scores"], -length / 4.0)
+    differ = [len(set(g)) > 1 for g in length.reshape(-1, cfg.rollout.n)]
+    filled = round(float(metrics["training/filled_groups_ratio"]) * cfg.data.train_batch_size)
+    assert 0 < filled < cfg.data.train_batch_size  # (2 of 4 here)
+    assert differ == [True] * filled + [False] * (cfg.data.train_batch_size - filled)
+
+
+def test_remax_baseline_is_the_greedy_answers_shaped_score():
+    """ReMax with DAPO's overlong penalty over the whole response (buffer = R = 4, factor 1) and
+    a reward of 0: each row's baseline is its prompt's greedy answer's score, -len / 4 with the
+    greedy answer's length, the reward the sampled rows' scores (-len / 4) are; verl takes both
+    from the same reward manager. (The baseline was the greedy answer's `acc`, 0.)"""
+    cfg = grpo_math.get_config("tiny")
+    cfg.algorithm.adv_estimator = "remax"
+    cfg.reward.overlong_buffer.enable = True
+    cfg.reward.overlong_buffer.len = 4
+    cfg.reward.overlong_buffer.penalty_factor = 1.0
+    tok, task, _, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
+    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
+    prompts = task.train_batch(0, cfg.data.train_batch_size)
+    exp, _ = jax.jit(generate)(state, prompts, jax.random.key(2))
+
+    def greedy_answer(p, x, m):
+        return rollout.generate(model_cfg, p, x, m, jax.random.key(0), greedy=True, **ids)
+
+    greedy = jax.jit(greedy_answer)(params, prompts["input_ids"], prompts["attention_mask"])
+    greedy_length = np.asarray(greedy.response_mask).sum(-1)
+    np.testing.assert_allclose(exp["scores"], -np.asarray(exp["response_mask"]).sum(-1) / 4.0)
+    want = np.repeat(-greedy_length / 4.0, cfg.rollout.n)
+    np.testing.assert_allclose(exp["reward_baselines"], want)
