@@ -86,6 +86,8 @@ def parse_flags(argv):
         if unused:
             try:  # an invalid value is named as such first, whether its feature is on or off
                 config_lib.validate(cfg)
+            except config_lib.SwitchedOffError:
+                pass  # the command line's own setting is named below
             except config_lib.ConfigError as e:
                 fail(str(e))
             fail(unused)

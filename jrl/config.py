@@ -8,7 +8,8 @@ bases with the `PRESETS` registry of `:model=...,lora,mesh=...` presets), so eac
 imports only ml_collections and jrl.config. Valid names (estimators, losses, aggregation modes,
 KL kinds and controllers, tasks, rewards) are read from their registries.
 `validate(cfg)` runs before anything compiles and raises `ConfigError` with a one-line message
-that names the field and the fix.
+that names the field and the fix, also for a field of a switched-off feature set away from its
+default (`_off_sections`: it would have no effect).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ GROUP_ESTIMATORS = tuple(name for name in advantages.names() if "index" in advan
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the field and the fix."""
+
+
+class SwitchedOffError(ConfigError):
+    """A field set for a feature that is switched off (it would have no effect)."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -178,7 +183,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Rollout correction (verl's algorithm.rollout_correction; docs/algorithms.md): IS weights and
     # rejection between the rollout's own log-probs and the trainer's recomputed ones.
     c.algorithm.rollout_correction = ml_collections.ConfigDict()
-    c.algorithm.rollout_correction.enable = False  # verl: rollout_correction set (not None)
+    # verl: rollout_correction set (not None); rollout_is / rollout_rs set without it stop the run
+    c.algorithm.rollout_correction.enable = False
     c.algorithm.rollout_correction.rollout_is = (
         "sequence"  # IS weight level: token | sequence | "" (off)
     )
@@ -586,6 +592,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, kl.KL_CONTROLLERS)
     try:
         kl.make_kl_controller(cfg.algorithm)
+        kl.KL_CONTROLLERS["adaptive"][1](cfg.algorithm.kl_ctrl)  # its parameters, even unused
     except ValueError as e:
         raise ConfigError(f"algorithm.{e}") from None
 
@@ -686,6 +693,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         cfg.critic.cliprange_value > 0,
         f"critic.cliprange_value={cfg.critic.cliprange_value} must be > 0.",
+    )
+    _check(
+        cfg.critic.critic_warmup >= 0,
+        f"critic.critic_warmup={cfg.critic.critic_warmup} must be >= 0 (0: none).",
     )
     _check(
         cfg.reward.overlong_buffer.len >= 1,
@@ -901,7 +912,8 @@ def _off_sections(cfg: ml_collections.ConfigDict) -> list[tuple[str, str, str, l
 
 
 def _check_switched_off(cfg: ml_collections.ConfigDict) -> None:
-    """Raises ConfigError for fields of a switched-off section that differ from their default."""
+    """Raises SwitchedOffError for fields of a switched-off section that differ from their
+    default."""
     base = base_config()
     for feature, state, fix, fields in _off_sections(cfg):
         changed = [f for f in fields if _field(cfg, f) != _field(base, f)]
@@ -909,7 +921,7 @@ def _check_switched_off(cfg: ml_collections.ConfigDict) -> None:
             settings = ", ".join(f"{f}={_field(cfg, f)!r}" for f in changed)
             defaults = ", ".join(repr(_field(base, f)) for f in changed)
             one = len(changed) == 1
-            raise ConfigError(
+            raise SwitchedOffError(
                 f"{settings} {'has' if one else 'have'} no effect while {feature} is off "
                 f"({state}): turn it on with --config.{fix}, or leave {'it' if one else 'them'} "
                 f"at the default{'' if one else 's'} ({defaults})."
