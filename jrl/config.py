@@ -1004,8 +1004,9 @@ def config_files(near: str) -> list[str]:
 
 
 def config_path_error(spec: str, problem: str = "") -> str | None:
-    """The one-line error for `--config=spec` whose file does not exist (or has `problem`), naming
-    the config files there are (the closest first); None for a file that exists."""
+    """The one-line error for `--config=spec` whose file does not exist (or has `problem`): the
+    closest config file by name, if one is close, and the list of them; None for a file that
+    exists."""
     path = spec.partition(":")[0]
     if not problem and os.path.isfile(path):
         return None
