@@ -35,30 +35,63 @@ def config_filename() -> str:
 
 
 def _load_config_file(spec: str):
-    """The ConfigDict of `--config=path.py[:arg]` (to explain a bad override)."""
+    """The ConfigDict of `--config=path.py[:arg]` without the overrides."""
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_jrl_config", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # config_lib.config_file_error finds its PRESETS
     module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise config_lib.ConfigError(
+            config_lib.config_path_error(spec, "defines no get_config(arg=None) returning a config")
+        )
     return module.get_config(arg or None)
 
 
+def _config_spec(argv) -> str | None:
+    """The value of `--config=X` / `--config X` in argv (the last one given), else None."""
+    spec = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            spec = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            spec = argv[i + 1]
+    return spec
+
+
 def parse_flags(argv):
-    """absl flag parsing, with a one-line error (exit 2) for an override of an unknown field or a
-    config file that raises (the reason, not absl's 'Error whilst parsing config file')."""
+    """absl flag parsing, with a one-line error (exit 2) for a config file that does not exist,
+    has no get_config or raises (the reason, not absl's 'Error whilst parsing config file'), an
+    override of an unknown field, or one of a switched-off feature (`config.unused_override`).
+    Fields the config file set for a feature that the command line turns off go back to their
+    defaults (`config.reset_switched_off`): they have no effect, and validate would refuse them."""
+    spec = _config_spec(argv)
+    missing = spec and config_lib.config_path_error(spec)
+    if missing:
+        fail(missing)
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except (flags.Error, AttributeError, KeyError) as e:
-        spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
         message = None
         if spec:
             try:
                 message = config_lib.unknown_override(_load_config_file(spec), argv)
             except Exception as file_error:  # a bad preset, or an error inside the config file
                 message = config_lib.config_file_error(spec, file_error)
-        print(f"error: {message or str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        fail(message or str(e).splitlines()[0])
+    cfg = flags.FLAGS["config"].value if spec and "config" in flags.FLAGS else None
+    if cfg is not None:
+        config_lib.reset_switched_off(cfg, _load_config_file(spec), argv)
+        unused = config_lib.unused_override(cfg, argv)
+        if unused:
+            try:  # an invalid value is named as such first, whether its feature is on or off
+                config_lib.validate(cfg)
+            except config_lib.SwitchedOffError:
+                pass  # the command line's own setting is named below
+            except config_lib.ConfigError as e:
+                fail(str(e))
+            fail(unused)
+    return rest
 
 
 def fail(message: str, code: int = 2):

@@ -8,11 +8,13 @@ bases with the `PRESETS` registry of `:model=...,lora,mesh=...` presets), so eac
 imports only ml_collections and jrl.config. Valid names (estimators, losses, aggregation modes,
 KL kinds and controllers, tasks, rewards) are read from their registries.
 `validate(cfg)` runs before anything compiles and raises `ConfigError` with a one-line message
-that names the field and the fix.
+that names the field and the fix, also for a field of a switched-off feature set away from its
+default (`_off_sections`: it would have no effect).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import traceback
@@ -33,6 +35,10 @@ GROUP_ESTIMATORS = tuple(name for name in advantages.names() if "index" in advan
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names the field and the fix."""
+
+
+class SwitchedOffError(ConfigError):
+    """A field set for a feature that is switched off (it would have no effect)."""
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -191,7 +197,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Rollout correction (verl's algorithm.rollout_correction; docs/algorithms.md): IS weights and
     # rejection between the rollout's own log-probs and the trainer's recomputed ones.
     c.algorithm.rollout_correction = ml_collections.ConfigDict()
-    c.algorithm.rollout_correction.enable = False  # verl: rollout_correction set (not None)
+    # verl: rollout_correction set (not None); rollout_is / rollout_rs set without it stop the run
+    c.algorithm.rollout_correction.enable = False
     c.algorithm.rollout_correction.rollout_is = (
         "sequence"  # IS weight level: token | sequence | "" (off)
     )
@@ -553,17 +560,26 @@ def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     return keys
 
 
+def override_keys(argv) -> list[str]:
+    """The fields `--config.a.b=v` (and a boolean's `--config.a.b` / `--noconfig.a.b`) of argv set,
+    as dotted paths ("a.b"), in order."""
+    keys = []
+    for arg in argv:
+        for prefix in ("--config.", "--noconfig."):
+            if arg.startswith(prefix) and len(arg) > len(prefix):
+                keys.append(arg[len(prefix) :].split("=", 1)[0])
+    return keys
+
+
 def unknown_override(cfg: ml_collections.ConfigDict, argv) -> str | None:
     """The one-line error for the first `--config.a.b=v` in argv that names no field, else None."""
     keys = flat_keys(cfg)
-    for arg in argv:
-        if arg.startswith("--config.") and "=" in arg:
-            key = arg[len("--config.") : arg.index("=")]
-            if key not in keys:
-                return (
-                    f"unknown config field '{key}'{suggest(key, keys)}; the fields are listed "
-                    f"(with a comment each) in jrl/config.py and the config file."
-                )
+    for key in override_keys(argv):
+        if key not in keys:
+            return (
+                f"unknown config field '{key}'{suggest(key, keys)}; the fields are listed "
+                f"(with a comment each) in jrl/config.py and the config file."
+            )
     return None
 
 
@@ -591,6 +607,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, kl.KL_CONTROLLERS)
     try:
         kl.make_kl_controller(cfg.algorithm)
+        kl.KL_CONTROLLERS["adaptive"][1](cfg.algorithm.kl_ctrl)  # its parameters, even unused
     except ValueError as e:
         raise ConfigError(f"algorithm.{e}") from None
 
@@ -693,8 +710,24 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"critic.cliprange_value={cfg.critic.cliprange_value} must be > 0.",
     )
     _check(
+        cfg.critic.critic_warmup >= 0,
+        f"critic.critic_warmup={cfg.critic.critic_warmup} must be >= 0 (0: none).",
+    )
+    _check(
         cfg.reward.overlong_buffer.len >= 1,
         f"reward.overlong_buffer.len={cfg.reward.overlong_buffer.len} must be >= 1.",
+    )
+    _check(
+        cfg.reward.overlong_buffer.penalty_factor >= 0,
+        f"reward.overlong_buffer.penalty_factor={cfg.reward.overlong_buffer.penalty_factor} must "
+        f"be >= 0 (the penalty reached at max_response_length).",
+    )
+    _check(
+        cfg.algorithm.kl_ctrl.kl_coef >= 0,
+        f"algorithm.kl_ctrl.kl_coef={cfg.algorithm.kl_ctrl.kl_coef} must be >= 0.",
+    )
+    _check(
+        cfg.actor.kl_loss_coef >= 0, f"actor.kl_loss_coef={cfg.actor.kl_loss_coef} must be >= 0."
     )
     _check(
         cfg.checkpoint.every_steps >= 0,
@@ -712,16 +745,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(cfg.warmup.sft_steps >= 0, f"warmup.sft_steps={cfg.warmup.sft_steps} must be >= 0.")
     _validate_lora(cfg.lora)
     _validate_multi_turn(cfg)
+    _check_switched_off(cfg)
 
 
 def _validate_lora(c: ml_collections.ConfigDict) -> None:
-    """lora.*: rank, alpha, target modules, dropout."""
+    """lora.*: rank, alpha, target modules, dropout (checked with LoRA off too)."""
     _check(
         isinstance(c.rank, int) and c.rank >= 0,
         f"lora.rank={c.rank} must be an integer >= 0 (0: LoRA off).",
     )
-    if not c.rank:
-        return
     _check(c.alpha > 0, f"lora.alpha={c.alpha} must be > 0 (adapters scale by alpha / rank).")
     names = [t.strip() for t in str(c.target_modules).split(",") if t.strip()]
     _check(
@@ -778,7 +810,8 @@ def _validate_multi_turn(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _validate_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
-    """algorithm.rollout_correction: thresholds parse, and bypass_mode goes with its loss."""
+    """algorithm.rollout_correction: names and thresholds parse (with the section off too), and
+    bypass_mode goes with its loss."""
     rc = cfg.algorithm.rollout_correction
     bypass = rc.enable and rc.bypass_mode
     _check(
@@ -788,14 +821,12 @@ def _validate_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
         f"(got policy_loss='{cfg.actor.policy_loss}', enable={rc.enable}, "
         f"bypass_mode={rc.bypass_mode}).",
     )
-    if not rc.enable:
-        return
     try:
         parsed = rollout_corr.settings(rc)
     except ValueError as e:
         raise ConfigError(f"algorithm.rollout_correction.{e}") from None
     _check(
-        bypass or parsed["level"] or parsed["rs"],
+        not rc.enable or bypass or parsed["level"] or parsed["rs"],
         "algorithm.rollout_correction.enable=True corrects nothing: set rollout_is (token | "
         "sequence) and / or rollout_rs.",
     )
@@ -842,6 +873,147 @@ def _validate_model(m: ml_collections.ConfigDict) -> None:
     _choice("model.param_dtype", m.param_dtype, MODEL_DTYPES)
 
 
+# ------------------------------------------------------------------------ switched-off settings
+# A section that acts only while its switch is on: a field of it set while the switch is off would
+# have no effect, so validate stops the run and names the switch rather than ignore the setting.
+# "Set": different from base_config()'s default (in a config file or on the command line), or
+# named on the command line at all (`unused_override`).
+
+
+def _field(cfg: ml_collections.ConfigDict, path: str):
+    """The value of the dotted field `path` ("a.b.c") of cfg."""
+    for key in path.split("."):
+        cfg = cfg[key]
+    return cfg
+
+
+def _off_sections(cfg: ml_collections.ConfigDict) -> list[tuple[str, str, str, list[str]]]:
+    """(feature, how its switch is off, the flag that turns it on, its dotted fields) of each
+    on/off section that is off in cfg, outer switches first."""
+    a = cfg.algorithm
+    critic = sorted(n for n in advantages.names() if "values" in advantages.needs(n))
+    estimator = f"algorithm.adv_estimator='{a.adv_estimator}'"
+    sections = (  # (is it on, feature, how it is off, the flag that turns it on, section or fields)
+        (
+            a.rollout_correction.enable,
+            "rollout correction",
+            "algorithm.rollout_correction.enable=False",
+            "algorithm.rollout_correction.enable=True",
+            "algorithm.rollout_correction",
+        ),
+        (cfg.lora.rank, "LoRA", "lora.rank=0", "lora.rank=16 (any rank >= 1)", "lora"),
+        (
+            a.filter_groups.enable,
+            "dynamic sampling",
+            "algorithm.filter_groups.enable=False",
+            "algorithm.filter_groups.enable=True",
+            "algorithm.filter_groups",
+        ),
+        (
+            cfg.reward.overlong_buffer.enable,
+            "the overlong buffer",
+            "reward.overlong_buffer.enable=False",
+            "reward.overlong_buffer.enable=True",
+            "reward.overlong_buffer",
+        ),
+        (
+            a.use_kl_in_reward,
+            "KL in the reward",
+            "algorithm.use_kl_in_reward=False",
+            "algorithm.use_kl_in_reward=True",
+            ["algorithm.kl_penalty", *(f"algorithm.kl_ctrl.{k}" for k in a.kl_ctrl)],
+        ),
+        (
+            a.kl_ctrl.type == "adaptive",
+            "the adaptive KL controller",
+            f"algorithm.kl_ctrl.type='{a.kl_ctrl.type}'",
+            "algorithm.kl_ctrl.type=adaptive",
+            ["algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"],
+        ),
+        (
+            cfg.actor.use_kl_loss,
+            "the KL loss",
+            "actor.use_kl_loss=False",
+            "actor.use_kl_loss=True",
+            ["actor.kl_loss_coef", "actor.kl_loss_type"],
+        ),
+        (
+            a.adv_estimator in critic,
+            "the critic",
+            f"{estimator} trains none",
+            f"algorithm.adv_estimator={critic[0]} (the estimators with a critic: "
+            f"{', '.join(critic)})",
+            "critic",
+        ),
+        (
+            a.adv_estimator == "group_ppo",
+            "GROUP-PPO",
+            estimator,
+            "algorithm.adv_estimator=group_ppo",
+            "algorithm.group_params",
+        ),
+    )
+    off = []
+    for on, feature, state, fix, fields in sections:
+        if not on:
+            if isinstance(fields, str):  # a whole section, less its switch (enable, lora.rank)
+                fields = [
+                    f"{fields}.{k}"
+                    for k in flat_keys(_field(cfg, fields))
+                    if k not in ("enable", "rank")
+                ]
+            off.append((feature, state, fix, fields))
+    return off
+
+
+def _check_switched_off(cfg: ml_collections.ConfigDict) -> None:
+    """Raises SwitchedOffError for fields of a switched-off section that differ from their
+    default."""
+    base = base_config()
+    for feature, state, fix, fields in _off_sections(cfg):
+        changed = [f for f in fields if _field(cfg, f) != _field(base, f)]
+        if changed:
+            settings = ", ".join(f"{f}={_field(cfg, f)!r}" for f in changed)
+            defaults = ", ".join(repr(_field(base, f)) for f in changed)
+            one = len(changed) == 1
+            raise SwitchedOffError(
+                f"{settings} {'has' if one else 'have'} no effect while {feature} is off "
+                f"({state}): turn it on with --config.{fix}, or leave {'it' if one else 'them'} "
+                f"at the default{'' if one else 's'} ({defaults})."
+            )
+
+
+def unused_override(cfg: ml_collections.ConfigDict, argv) -> str | None:
+    """The one-line error for the first `--config.a.b=v` of argv that sets a field of a section
+    switched off in cfg (the config after the overrides), even to its default value; else None."""
+    given = override_keys(argv)
+    for feature, state, fix, fields in _off_sections(cfg):
+        named = [f for f in given if f in fields]
+        if named:
+            return (
+                f"--config.{named[0]}={_field(cfg, named[0])} has no effect while {feature} is "
+                f"off ({state}): turn it on with --config.{fix}, or leave it out."
+            )
+    return None
+
+
+def reset_switched_off(cfg, file_cfg, argv) -> None:
+    """Puts back to their defaults, in cfg, the fields that the config file (file_cfg: its config
+    without the overrides) set for a feature it turned on and the command line (argv) turned off,
+    unless argv sets them too: with the feature off they have no effect, and left as the file set
+    them `validate` would refuse them (so `--config=configs/dapo_math.py
+    --config.reward.overlong_buffer.enable=False` runs DAPO without the overlong buffer)."""
+    base, given = base_config(), override_keys(argv)
+    file_off = {feature for feature, *_ in _off_sections(file_cfg)}
+    for feature, _, _, fields in _off_sections(cfg):
+        if feature in file_off:
+            continue
+        for path in fields:
+            if path not in given:
+                parent, _, leaf = path.rpartition(".")
+                _field(cfg, parent)[leaf] = _field(base, path)
+
+
 def config_file_error(spec: str, error: BaseException) -> str:
     """The one-line error for `--config=spec` whose file raised `error` while building the config:
     its own message for a ConfigError (an unknown preset names the valid ones), else the
@@ -863,3 +1035,41 @@ def config_file_error(spec: str, error: BaseException) -> str:
     presets = getattr(module, "PRESETS", None)
     listed = f"; valid presets: {', '.join(presets)}" if isinstance(presets, dict) else ""
     return f"--config={spec}: {type(error).__name__}: {reason}{where}{listed}."
+
+
+def config_files(near: str) -> list[str]:
+    """The config files (.py files with a `get_config`) beside the path `near` and in configs/
+    (of the working directory and of this repository), as relative paths where under the working
+    directory."""
+    repo_configs = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"
+    )
+    found = {}
+    for folder in (os.path.dirname(near) or ".", "configs", repo_configs):
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            path = os.path.abspath(os.path.join(folder, name))
+            if name.endswith(".py") and path not in found and os.path.isfile(path):
+                with open(path, errors="replace") as f:
+                    if "def get_config" in f.read():
+                        relative = os.path.relpath(path)
+                        found[path] = path if relative.startswith("..") else relative
+    return sorted(found.values())
+
+
+def config_path_error(spec: str, problem: str = "") -> str | None:
+    """The one-line error for `--config=spec` whose file does not exist (or has `problem`): the
+    closest config file by name, if one is close, and the list of them; None for a file that
+    exists."""
+    path = spec.partition(":")[0]
+    if not problem and os.path.isfile(path):
+        return None
+    problem = problem or ("is a directory" if os.path.isdir(path) else "does not exist")
+    files = [f for f in config_files(path) if os.path.abspath(f) != os.path.abspath(path)]
+    # the closest by file name (a whole path would match on a shared folder alone)
+    names = {os.path.basename(f): f for f in reversed(files)}
+    close = difflib.get_close_matches(os.path.basename(path), list(names), n=1)
+    hint = f" (did you mean '{names[close[0]]}'?)" if close else ""
+    listed = f"; the config files: {', '.join(files)}" if files else ""
+    return f"--config={spec}: config file '{path}' {problem}{hint}{listed}."

@@ -21,9 +21,19 @@ Where each bad-input case of the issue is tested (tr = tests/train_test.py):
 - a data file without read permission: here, test_data_file_without_read_permission (in
   process, the permission check answered "no": as root, which these tests may run as, every file
   is readable)
+- a config file that does not exist (one letter off, a folder off), a config file without
+  get_config: here, test_bad_input_exits_2_and_leaves_workdir[config_file_*] and
+  test_missing_config_file_names_the_closest
+- a setting of a switched-off feature (in a config file, on the command line even at its
+  default), an invalid value of a switched-off feature: here, [*_while_off] cases and
+  test_switched_off_feature[set-*] / [invalid-*] (every on/off section);
+  the shipped configs and presets still validate (test_shipped_configs_and_presets_validate) and
+  a feature turned off on the command line drops the config file's settings of it
+  (test_turning_a_feature_off_drops_the_files_settings_of_it)
 """
 
 import concurrent.futures
+import importlib
 import json
 import os
 import subprocess
@@ -65,6 +75,15 @@ def data(tmp_path_factory):
     one_missing = [dict(r) for r in rows]
     del one_missing[3]["question"]
     write_jsonl(d / "one_missing.jsonl", one_missing)
+    (d / "no_get_config.py").write_text("config = None  # a config file must define get_config\n")
+    # A config file that turns rollout correction on as verl does (by setting rollout_is)
+    (d / "verl_style.py").write_text(
+        "from jrl import config as config_lib\n\n\n"
+        "def get_config(arg=None):\n"
+        "    c = config_lib.base_config()\n"
+        "    c.algorithm.rollout_correction.rollout_is = 'token'\n"
+        "    return c\n"
+    )
     (d / "corrupt.parquet").write_bytes(bytes(range(256)) * 4)
     (d / "not_a_tokenizer").mkdir()
     (d / "not_a_tokenizer" / "README.txt").write_text("model card only")
@@ -87,16 +106,11 @@ def snapshot(root) -> dict:
 
 
 def run_cli(workdir, args):
+    """`python -m jrl.train` on args, after the tiny config unless args name a --config."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}
+    tiny = [] if any(a.startswith("--config=") for a in args) else [TINY]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jrl.train",
-            "--config=configs/grpo_math.py:tiny",
-            f"--workdir={workdir}",
-            *args,
-        ],
+        [sys.executable, "-m", "jrl.train", *tiny, f"--workdir={workdir}", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -104,6 +118,11 @@ def run_cli(workdir, args):
         timeout=120,
     )
 
+
+TINY = "--config=configs/grpo_math.py:tiny"
+# The config files shipped in configs/ (more may come: each must be listed in the error).
+SHIPPED = ["configs/dapo_math.py", "configs/group_ppo_math.py", "configs/grpo_math.py"]
+SHIPPED += ["configs/ppo_math.py"]
 
 # id -> (arguments after the tiny config; DATA is the data fixture's directory), and the pieces
 # the last stderr line must hold: the problem (field or file, value) and the fix.
@@ -203,6 +222,60 @@ CASES = {
         [
             "error: all 6 train prompts are longer than max_prompt_length=20 (the shortest has "
             f"{PROMPT_TOKENS} tokens): raise max_prompt_length or set overlong_prompts='truncate'."
+        ],
+    ),
+    "config_file_one_letter_off": (
+        ["--config=configs/grpo_mat.py"],
+        [
+            "error: --config=configs/grpo_mat.py: config file 'configs/grpo_mat.py' does not "
+            "exist (did you mean 'configs/grpo_math.py'?); the config files: ",
+            *SHIPPED,
+        ],
+    ),
+    "config_file_without_get_config": (
+        ["--config=DATA/no_get_config.py:tiny"],
+        [
+            "error: --config=DATA/no_get_config.py:tiny: config file 'DATA/no_get_config.py' "
+            "defines no get_config(arg=None) returning a config; the config files: ",
+            *SHIPPED,
+        ],
+    ),
+    # verl turns rollout correction on by setting rollout_is; jrl names its switch instead.
+    "rollout_is_set_on_the_command_line_while_off": (
+        ["--config.algorithm.rollout_correction.rollout_is=token"],
+        [
+            "error: --config.algorithm.rollout_correction.rollout_is=token has no effect while "
+            "rollout correction is off (algorithm.rollout_correction.enable=False): turn it on "
+            "with --config.algorithm.rollout_correction.enable=True, or leave it out."
+        ],
+    ),
+    "rollout_is_set_in_a_config_file_while_off": (
+        ["--config=DATA/verl_style.py"],
+        [
+            "error: algorithm.rollout_correction.rollout_is='token' has no effect while rollout "
+            "correction is off (algorithm.rollout_correction.enable=False): turn it on with "
+            "--config.algorithm.rollout_correction.enable=True, or leave it at the default "
+            "('sequence')."
+        ],
+    ),
+    "rollout_is_invalid_while_off": (
+        ["--config.algorithm.rollout_correction.rollout_is=bogus"],
+        [
+            "error: algorithm.rollout_correction.rollout_is='bogus' is unknown; valid: token, "
+            "sequence, '' (off)."
+        ],
+    ),
+    # The config file sets the buffer's length; the command line turns the buffer off and sets it.
+    "overlong_buffer_len_given_while_turned_off": (
+        [
+            "--config=configs/dapo_math.py:tiny",
+            "--config.reward.overlong_buffer.enable=False",
+            "--config.reward.overlong_buffer.len=3",
+        ],
+        [
+            "error: --config.reward.overlong_buffer.len=3 has no effect while the overlong buffer "
+            "is off (reward.overlong_buffer.enable=False): turn it on with "
+            "--config.reward.overlong_buffer.enable=True, or leave it out."
         ],
     ),
 }
@@ -322,3 +395,323 @@ def test_data_file_without_read_permission(data, monkeypatch):
         f"train file {path!r} is not readable (permission denied): make it readable (chmod a+r) "
         "or copy it somewhere this user can read."
     )
+
+
+def test_missing_config_file_names_the_closest(monkeypatch):
+    """A folder one letter off finds the file by its name; a name like none gets no guess."""
+    from jrl import config as config_lib
+
+    monkeypatch.chdir(REPO)
+    listed = "; the config files: " + ", ".join(SHIPPED) + "."
+    assert config_lib.config_path_error("config/ppo_math.py:tiny") == (
+        "--config=config/ppo_math.py:tiny: config file 'config/ppo_math.py' does not exist (did "
+        "you mean 'configs/ppo_math.py'?)" + listed
+    )
+    assert config_lib.config_path_error("configs/sft.py") == (
+        "--config=configs/sft.py: config file 'configs/sft.py' does not exist" + listed
+    )
+    assert config_lib.config_path_error("configs") == (
+        "--config=configs: config file 'configs' is a directory" + listed
+    )
+    assert config_lib.config_path_error("configs/grpo_math.py:tiny") is None
+
+
+def _tiny(**fields):
+    """configs/grpo_math.py:tiny with `fields` ("a.b.c": value) set."""
+    sys.path.insert(0, REPO)
+    from configs import grpo_math
+
+    cfg = grpo_math.get_config("tiny")
+    for path, value in fields.items():
+        *parents, leaf = path.split(".")
+        node = cfg
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return cfg
+
+
+def _off(field, value, feature, state, fix, default):
+    return (
+        f"{field}={value!r} has no effect while {feature} is off ({state}): turn it on with "
+        f"--config.{fix}, or leave it at the default ({default!r})."
+    )
+
+
+# Each on/off section (in the tiny GRPO config every one is off): a field set away from its
+# default, and the one-line error naming it and the switch.
+SET_WHILE_OFF = {
+    "rollout_correction": (
+        {"algorithm.rollout_correction.rollout_is_threshold": "0.5_2.0"},
+        _off(
+            "algorithm.rollout_correction.rollout_is_threshold",
+            "0.5_2.0",
+            "rollout correction",
+            "algorithm.rollout_correction.enable=False",
+            "algorithm.rollout_correction.enable=True",
+            "2.0",
+        ),
+    ),
+    "bypass_mode": (
+        {"algorithm.rollout_correction.bypass_mode": True},
+        _off(
+            "algorithm.rollout_correction.bypass_mode",
+            True,
+            "rollout correction",
+            "algorithm.rollout_correction.enable=False",
+            "algorithm.rollout_correction.enable=True",
+            False,
+        ),
+    ),
+    "lora": (
+        {"lora.alpha": 16.0},
+        _off("lora.alpha", 16.0, "LoRA", "lora.rank=0", "lora.rank=16 (any rank >= 1)", 32.0),
+    ),
+    "filter_groups": (
+        {"algorithm.filter_groups.max_num_gen_batches": 2},
+        _off(
+            "algorithm.filter_groups.max_num_gen_batches",
+            2,
+            "dynamic sampling",
+            "algorithm.filter_groups.enable=False",
+            "algorithm.filter_groups.enable=True",
+            4,
+        ),
+    ),
+    "overlong_buffer": (
+        {"reward.overlong_buffer.len": 4},
+        _off(
+            "reward.overlong_buffer.len",
+            4,
+            "the overlong buffer",
+            "reward.overlong_buffer.enable=False",
+            "reward.overlong_buffer.enable=True",
+            2,
+        ),
+    ),
+    "kl_in_reward": (
+        {"algorithm.kl_penalty": "low_var_kl"},
+        _off(
+            "algorithm.kl_penalty",
+            "low_var_kl",
+            "KL in the reward",
+            "algorithm.use_kl_in_reward=False",
+            "algorithm.use_kl_in_reward=True",
+            "kl",
+        ),
+    ),
+    "kl_coef_in_reward": (
+        {"algorithm.kl_ctrl.kl_coef": 0.01},
+        _off(
+            "algorithm.kl_ctrl.kl_coef",
+            0.01,
+            "KL in the reward",
+            "algorithm.use_kl_in_reward=False",
+            "algorithm.use_kl_in_reward=True",
+            0.001,
+        ),
+    ),
+    "adaptive_kl_controller": (
+        {"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.target_kl": 0.05},
+        _off(
+            "algorithm.kl_ctrl.target_kl",
+            0.05,
+            "the adaptive KL controller",
+            "algorithm.kl_ctrl.type='fixed'",
+            "algorithm.kl_ctrl.type=adaptive",
+            0.1,
+        ),
+    ),
+    "kl_loss": (
+        {"actor.kl_loss_coef": 0.01},
+        _off(
+            "actor.kl_loss_coef",
+            0.01,
+            "the KL loss",
+            "actor.use_kl_loss=False",
+            "actor.use_kl_loss=True",
+            0.001,
+        ),
+    ),
+    "critic": (
+        {"critic.share_backbone": True},
+        _off(
+            "critic.share_backbone",
+            True,
+            "the critic",
+            "algorithm.adv_estimator='grpo' trains none",
+            "algorithm.adv_estimator=gae (the estimators with a critic: gae, group_ppo)",
+            False,
+        ),
+    ),
+    "group_ppo": (
+        {"algorithm.group_params.group_max_size": 8},
+        _off(
+            "algorithm.group_params.group_max_size",
+            8,
+            "GROUP-PPO",
+            "algorithm.adv_estimator='grpo'",
+            "algorithm.adv_estimator=group_ppo",
+            16,
+        ),
+    ),
+    "two_fields_in_one_line": (
+        {"lora.dropout": 0.1, "lora.alpha": 8.0},
+        "lora.alpha=8.0, lora.dropout=0.1 have no effect while LoRA is off (lora.rank=0): turn "
+        "it on with --config.lora.rank=16 (any rank >= 1), or leave them at the defaults "
+        "(32.0, 0.0).",
+    ),
+}
+
+
+# Each on/off section, switched off: an invalid value is refused as such.
+INVALID_WHILE_OFF = {
+    "rollout_correction": (
+        {"algorithm.rollout_correction.rollout_is_threshold": "0.5_x"},
+        "algorithm.rollout_correction.rollout_is_threshold='x' is not a number or 'lower_upper' "
+        "pair.",
+    ),
+    "lora": (
+        {"lora.dropout": 1.0},
+        "lora.dropout=1.0 must be in [0, 1) (the probability of dropping an adapter input); "
+        "e.g. --config.lora.dropout=0.05.",
+    ),
+    "lora_target": (
+        {"lora.target_modules": "q_proj,qkv"},
+        "lora.target_modules entry='qkv' is unknown; valid names: down_proj, gate_proj, k_proj, "
+        "o_proj, q_proj, up_proj, v_proj.",
+    ),
+    "filter_groups": (
+        {"algorithm.filter_groups.max_num_gen_batches": 0},
+        "algorithm.filter_groups.max_num_gen_batches=0 must be >= 1.",
+    ),
+    "overlong_buffer": (
+        {"reward.overlong_buffer.penalty_factor": -1.0},
+        "reward.overlong_buffer.penalty_factor=-1.0 must be >= 0 (the penalty reached at "
+        "max_response_length).",
+    ),
+    "kl_in_reward": (
+        {"algorithm.kl_ctrl.kl_coef": -0.1},
+        "algorithm.kl_ctrl.kl_coef=-0.1 must be >= 0.",
+    ),
+    "adaptive_kl_controller": (
+        {"algorithm.kl_ctrl.horizon": 0},
+        "algorithm.kl_ctrl.horizon must be > 0, got 0.",
+    ),
+    "kl_loss": ({"actor.kl_loss_coef": -1.0}, "actor.kl_loss_coef=-1.0 must be >= 0."),
+    "critic": (
+        {"critic.critic_warmup": -1},
+        "critic.critic_warmup=-1 must be >= 0 (0: none).",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, section",
+    [("set", k) for k in SET_WHILE_OFF] + [("invalid", k) for k in INVALID_WHILE_OFF],
+)
+def test_switched_off_feature(kind, section):
+    """A setting of a switched-off feature, or an invalid one: validate's one-line error."""
+    from jrl import config as config_lib
+
+    fields, message = (SET_WHILE_OFF if kind == "set" else INVALID_WHILE_OFF)[section]
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.validate(_tiny(**fields))
+    assert str(e.value) == message
+
+
+def test_command_line_setting_at_its_default_while_off_is_refused():
+    """`--config.x=v` of a switched-off feature stops the run even where v is the default (jrl's
+    rollout_is defaults to 'sequence'; a verl user types it to turn correction on)."""
+    from jrl import config as config_lib
+
+    argv = ["train", TINY, "--config.algorithm.rollout_correction.rollout_is=sequence"]
+    assert config_lib.unused_override(_tiny(), argv) == (
+        "--config.algorithm.rollout_correction.rollout_is=sequence has no effect while rollout "
+        "correction is off (algorithm.rollout_correction.enable=False): turn it on with "
+        "--config.algorithm.rollout_correction.enable=True, or leave it out."
+    )
+    on = _tiny(**{"algorithm.rollout_correction.enable": True})
+    assert config_lib.unused_override(on, [*argv, "--config.rollout.n=2"]) is None
+
+
+def _shipped_configs():
+    """(config file, presets) of every file in configs/ with each of its presets, and none."""
+    sys.path.insert(0, REPO)
+    cases = []
+    for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+        if name.endswith(".py") and not name.startswith("_"):
+            module = importlib.import_module(f"configs.{name[:-3]}")
+            for preset in ("", *getattr(module, "PRESETS", {})):
+                cases.append((name[:-3], preset))
+    # ppo_math.py's own preset, and combinations the docs show
+    cases += [("ppo_math", "shared"), ("group_ppo_math", "shared"), ("ppo_math", "shared,tiny")]
+    cases += [("grpo_math", "model=qwen2.5-7b,lora,data=gsm8k")]
+    return cases
+
+
+@pytest.mark.parametrize("name, preset", _shipped_configs())
+def test_shipped_configs_and_presets_validate(name, preset):
+    from jrl import config as config_lib
+
+    cfg = importlib.import_module(f"configs.{name}").get_config(preset or None)
+    if cfg.task.name != "arithmetic":  # what the command line must add: the data files ...
+        cfg.task.train_files = "train.jsonl"  # validate only checks it is set
+    if cfg.tokenizer == "":  # ... and a checkpoint or a tokenizer for model= presets
+        cfg.tokenizer = "char"
+    config_lib.validate(cfg)
+
+
+def test_turning_a_feature_off_drops_the_files_settings_of_it():
+    """DAPO with the overlong buffer and dynamic sampling turned off on the command line (the
+    parse function, in a process of its own: absl's flags are global): the settings the config
+    file made for them go back to their defaults (max_num_gen_batches 3 -> 4, len 3 -> 2) and the
+    config validates."""
+    argv = [
+        "train",
+        "--config=configs/dapo_math.py:tiny",
+        "--config.reward.overlong_buffer.enable=False",
+        "--config.algorithm.filter_groups.enable=False",
+    ]
+    script = (
+        "import json, sys\n"
+        "from absl import flags\n"
+        "from jrl import cli, train, config\n"
+        f"sys.argv = {argv!r}\n"
+        "cli.parse_flags(sys.argv)\n"
+        "c = flags.FLAGS.config\n"
+        "config.validate(c)\n"
+        "print(json.dumps({'reward': c.reward.to_dict(),\n"
+        "                  'filter_groups': c.algorithm.filter_groups.to_dict()}))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["reward"]["overlong_buffer"] == {"enable": False, "len": 2, "penalty_factor": 1.0}
+    assert got["filter_groups"] == {"enable": False, "metric": "acc", "max_num_gen_batches": 4}
+
+
+def test_reset_switched_off_keeps_what_the_command_line_gives():
+    """ppo_math.py:shared run as GRPO: the critic's settings from the file go back to their
+    defaults (share_backbone True -> False), a critic field given on the command line stays."""
+    from jrl import config as config_lib
+
+    sys.path.insert(0, REPO)
+    from configs import ppo_math
+
+    file_cfg = ppo_math.get_config("shared")
+    cfg = ppo_math.get_config("shared")
+    cfg.algorithm.adv_estimator = "grpo"
+    cfg.critic.lr = 0.5
+    argv = ["train", "--config.algorithm.adv_estimator=grpo", "--config.critic.lr=0.5"]
+    config_lib.reset_switched_off(cfg, file_cfg, argv)
+    assert (cfg.critic.share_backbone, cfg.critic.lr) == (False, 0.5)
+    assert file_cfg.critic.share_backbone is True
