@@ -82,7 +82,7 @@ def shorten(text: str, width: int = 160) -> str:
     if len(shown) <= width:
         return shown
     head = width // 3
-    return f"{shown[:head]} ... {shown[-(width - head - 5):]}"
+    return f"{shown[:head]} ... {shown[-(width - head - 5) :]}"
 
 
 # A checkpoint at least this large is announced in the run summary, with its size.
@@ -105,7 +105,7 @@ def checkpoint_line(ckpt_cfg, checkpoint_bytes: int) -> str | None:
     when += ["at the end"] if at_end else []
     kept = f", the newest {ckpt_cfg.max_to_keep} kept" if ckpt_cfg.max_to_keep else ""
     return (
-        f"checkpoints: {_bytes(checkpoint_bytes)} each (parameters + optimizer state), "
+        f"checkpoints: about {_bytes(checkpoint_bytes)} each (parameters + optimizer state), "
         f"{' and '.join(when)}{kept}; fewer: --config.checkpoint.every_steps=0 (none periodic), "
         f"--config.checkpoint.at_end=False (no final one)"
     )

@@ -158,12 +158,12 @@ def test_checkpoint_line_and_sizes():
     # Gemma 3 270M: about 268M float32 parameters + Adam's two moments: 12 bytes each.
     line = console.checkpoint_line(ckpt, 268e6 * 12)
     assert line.startswith(
-        "checkpoints: 3.22 GB each (parameters + optimizer state), every 50 steps and at the end, "
-        "the newest 3 kept;"
+        "checkpoints: about 3.22 GB each (parameters + optimizer state), every 50 steps and at the "
+        "end, the newest 3 kept;"
     )
     ckpt.every_steps = 0
     line = console.checkpoint_line(ckpt, 3e9)
-    assert line.startswith("checkpoints: 3 GB each (parameters + optimizer state), at the end,")
+    assert line.startswith("checkpoints: about 3 GB each (parameters + optimizer state), at the e")
     ckpt.at_end = False
     assert console.checkpoint_line(ckpt, 1).startswith("checkpoints: none")
     tree = {  # 3 x 4 float32, 5 bfloat16, a PRNG key (two uint32), nothing
