@@ -266,8 +266,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50  # save every K RL steps; 0: none (but at_end / preemption)
-    # save at the end of the run; False: no final checkpoint (with every_steps=0 the run then
-    # writes none, and cannot be resumed, evaluated or exported); preemption always saves
+    # save at the end of the run; False: only the periodic ones (with every_steps=0 the run then
+    # writes none, and cannot be resumed, evaluated or exported); a preemption always saves
     c.checkpoint.at_end = True
     c.checkpoint.max_to_keep = 3  # newest checkpoints kept under <workdir>/checkpoints; 0: keep all
     c.checkpoint.async_save = True  # write checkpoints in the background while training goes on
