@@ -77,6 +77,12 @@ class Preempted(SystemExit):
 # ----------------------------------------------------------------------------- pytree <-> dict
 
 
+def nbytes(tree) -> int:
+    """Bytes of the arrays of `tree` (arrays or `jax.ShapeDtypeStruct`s; `None` fields hold
+    none): about what a checkpoint of it takes on disk (orbax compresses a little)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _key_name(k) -> str:
     if isinstance(k, jax.tree_util.GetAttrKey):
         return k.name

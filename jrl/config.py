@@ -88,17 +88,22 @@ def base_config() -> ml_collections.ConfigDict:
     )
 
     c.task = ml_collections.ConfigDict()
-    c.task.name = "arithmetic"  # built-in task (jrl.data.TASKS)
+    c.task.name = "arithmetic"  # jrl.data.TASKS: arithmetic | gsm8k | math | custom (own files)
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
     c.task.eval_size = 256  # held-out problems in the eval split
-    c.task.reward = "arithmetic_exact_match"  # jrl.rewards.names(), or "package.module:function"
-    # gsm8k / math tasks (local files; nothing is downloaded):
+    # jrl.rewards.names(), or a function of yours: "path/to/file.py:function" (the file) or
+    # "package.module:function" (imported from the current directory or PYTHONPATH)
+    c.task.reward = "arithmetic_exact_match"
+    # gsm8k / math / custom tasks (local files; nothing is downloaded):
     c.task.train_files = ""  # local .parquet/.jsonl/.json/.csv train file(s), comma-separated
     c.task.eval_files = ""  # eval file(s); "": hold out task.eval_size train examples
-    c.task.question_field = ""  # question field (dots for nested); "": gsm8k question, math problem
-    c.task.answer_field = ""  # ground-truth field; "": gsm8k answer, math solution
-    c.task.template = ""  # prompt text with "{question}" (literal braces doubled); "": built-in one
+    # question field (dots for nested); "": gsm8k / custom "question", math "problem"
+    c.task.question_field = ""
+    c.task.answer_field = ""  # ground-truth field; "": gsm8k / custom "answer", math "solution"
+    # prompt text with "{question}" and any other {field} (literal braces doubled); "": the task's
+    # own: custom "{question}", gsm8k / math add a step-by-step instruction (jrl/data/math_data.py)
+    c.task.template = ""
     c.task.prompt_format = (
         "plain"  # plain: bos + template text | chat: the tokenizer's chat template
     )
@@ -282,9 +287,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.shape = (-1, 1, 1)  # devices per mesh axis; -1: all the devices the other axes leave
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = (
-        50  # save every K RL steps (always also at the end and on preemption); 0: only those
-    )
+    c.checkpoint.every_steps = 50  # save every K RL steps; 0: none (but at_end / preemption)
+    # save at the end of the run; False: only the periodic ones (with every_steps=0 the run then
+    # writes none, and cannot be resumed, evaluated or exported); a preemption always saves
+    c.checkpoint.at_end = True
     c.checkpoint.max_to_keep = 3  # newest checkpoints kept under <workdir>/checkpoints; 0: keep all
     c.checkpoint.async_save = True  # write checkpoints in the background while training goes on
 
@@ -446,6 +452,28 @@ def _qwen7(c):  # Qwen2.5-7B(-Instruct): 7.61B parameters (6.53B without the emb
     c.model.tie_word_embeddings = False  # a separate output head (0.55B more parameters)
 
 
+def _hf(c):
+    """Any local HF checkpoint (--config.model.hf_path=DIR): its own architecture (config.json)
+    and tokenizer; verl's GSM8K GRPO example's settings for a pretrained model (lr 1e-6 constant,
+    KL loss 0.001 low_var_kl), no weight decay (verl's AdamW default 0.01 would take 1e-8 of each
+    weight per update at this lr) and one optimizer update per step. Compute stays float32
+    (--config.model.dtype=bfloat16 halves activation memory on GPU / TPU); the memory settings of
+    "Will it fit?" (README) stay off."""
+    c.tokenizer = ""  # the checkpoint's own tokenizer
+    c.warmup.sft_steps = 0  # a pretrained model needs no supervised warm-up
+    c.data.train_batch_size = 8  # prompts per step (64 rows with 8 samples each)
+    c.rollout.n = 8  # samples per prompt (group size)
+    c.actor.ppo_mini_batch_size = 8  # = train_batch_size: one optimizer update per step
+    c.actor.ppo_epochs = 1  # one pass over the step's rollouts
+    c.actor.lr = 1e-6  # verl's GRPO learning rate for a pretrained model
+    c.actor.lr_warmup_steps = 0  # constant learning rate from the first update
+    c.actor.weight_decay = 0.0  # plain Adam moments, no pull of the weights towards 0
+    c.actor.use_kl_loss = True  # KL loss to the frozen starting model, as verl's GRPO example
+    c.actor.kl_loss_coef = 0.001  # verl's coefficient
+    c.actor.kl_loss_type = "low_var_kl"  # verl's estimator (k3)
+    c.actor.entropy_coeff = 0.0  # no entropy bonus
+
+
 # Mesh presets. The axes are (data, fsdp, tensor) (jrl/sharding.py); -1 takes the devices the
 # others leave. Why the shapes: FSDP over the chips of one host (their fast links carry the
 # per-layer all-gathers; each chip holds 1/fsdp of the parameters, Adam moments and reference),
@@ -519,15 +547,23 @@ def _math(c):  # MATH from local files (--config.task.train_files=..., eval_file
     c.data.max_response_length = 1024  # R
 
 
+def _custom(c):  # your own question / answer files (--config.task.train_files=..., eval_files=...)
+    c.task.name = "custom"  # prompt = the question field as written (task.template="{question}")
+    c.warmup.sft_steps = 0  # the supervised warm-up needs the arithmetic task's answers
+    # task.reward: set it to your function (path/to/reward.py:function or package.module:function)
+
+
 PRESETS = Registry("preset")  # name -> fn(cfg) changing it in place; listed in this order
 PRESETS.add("tiny", _tiny)
 PRESETS.add("drgrpo", _drgrpo)
 PRESETS.add("model=qwen2.5-0.5b", _qwen05)
 PRESETS.add("model=qwen2.5-1.5b", _qwen15)
 PRESETS.add("model=qwen2.5-7b", _qwen7)
+PRESETS.add("model=hf", _hf)
 PRESETS.add("lora", _lora)
 PRESETS.add("data=gsm8k", _gsm8k)
 PRESETS.add("data=math", _math)
+PRESETS.add("data=custom", _custom)
 PRESETS.add("mesh=gpu8", _gpu8)
 PRESETS.add("mesh=v4-8", _v4_8)
 PRESETS.add("mesh=v5p-64", _v5p_64)
@@ -614,6 +650,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("task.name", cfg.task.name, data.TASKS)
     if ":" not in cfg.task.reward:
         _choice("task.reward", cfg.task.reward, rewards.names())
+    _check(
+        cfg.task.reward not in rewards.REWARDS or cfg.task.name == "arithmetic",
+        f"task.reward='{cfg.task.reward}' scores the built-in arithmetic task only; for "
+        f"task.name='{cfg.task.name}' set --config.task.reward to your function "
+        f"(path/to/reward.py:function or package.module:function) or one of "
+        f"{', '.join(sorted(rewards.HOST_REWARDS))}.",
+    )
     _choice("task.overlong_prompts", cfg.task.overlong_prompts, math_data.OVERLONG_POLICIES)
     _choice("task.prompt_format", cfg.task.prompt_format, math_data.PROMPT_FORMATS)
     _check(
@@ -732,7 +775,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         cfg.checkpoint.every_steps >= 0,
         f"checkpoint.every_steps={cfg.checkpoint.every_steps} must be >= 0 "
-        f"(0: save only at the end and on preemption).",
+        f"(0: no periodic checkpoints).",
     )
     _check(
         cfg.checkpoint.max_to_keep >= 0,

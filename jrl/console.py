@@ -67,13 +67,70 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def run_summary(cfg, model_cfg, num_params: int, mesh, workdir: str) -> list[str]:
-    """The lines a run prints before it starts: model size, devices and mesh, the RL settings,
-    and the workdir with what it will hold."""
+def _bytes(n: float) -> str:
+    """2.8e9 -> '2.8 GB'."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def shorten(text: str, width: int = 160) -> str:
+    """`text` as a Python literal (newlines show as \\n), its middle cut out past `width`
+    characters: the start and the end (where a template's instruction goes) stay."""
+    shown = repr(text)
+    if len(shown) <= width:
+        return shown
+    head = width // 3
+    return f"{shown[:head]} ... {shown[-(width - head - 5) :]}"
+
+
+# A checkpoint at least this large is announced in the run summary, with its size.
+LARGE_CHECKPOINT_BYTES = 100e6
+
+
+def checkpoint_line(ckpt_cfg, checkpoint_bytes: int) -> str | None:
+    """The summary line about checkpoints: their size when large, or that none will be written
+    (then the run cannot resume); None for small checkpoints that will be written."""
+    every, at_end = ckpt_cfg.every_steps, ckpt_cfg.at_end
+    if not every and not at_end:
+        return (
+            "checkpoints: none (checkpoint.every_steps=0, checkpoint.at_end=False; only a "
+            "preemption saves one): a stopped run restarts from step 0, and jrl.eval / jrl.export "
+            "have nothing to read"
+        )
+    if checkpoint_bytes < LARGE_CHECKPOINT_BYTES:
+        return None
+    when = [f"every {every} steps"] if every else []
+    when += ["at the end"] if at_end else []
+    kept = f", the newest {ckpt_cfg.max_to_keep} kept" if ckpt_cfg.max_to_keep else ""
+    return (
+        f"checkpoints: about {_bytes(checkpoint_bytes)} each (parameters + optimizer state), "
+        f"{' and '.join(when)}{kept}; fewer: --config.checkpoint.every_steps=0 (none periodic), "
+        f"--config.checkpoint.at_end=False (no final one)"
+    )
+
+
+def run_summary(
+    cfg,
+    model_cfg,
+    num_params: int,
+    mesh,
+    workdir: str,
+    *,
+    eval_prompts: int,
+    prompt: str,
+    checkpoint_bytes: int,
+) -> list[str]:
+    """The lines a run prints before it starts: model size, devices and mesh, the RL settings
+    with the number of eval prompts actually evaluated, one prompt as the model sees it (template
+    and special tokens included), the checkpoints when large or none, and the workdir with what
+    it will hold."""
     import jax
 
     devices = jax.devices()
     axes = " x ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    checkpoints = checkpoint_line(cfg.checkpoint, checkpoint_bytes)
     return [
         f"model: {_count(num_params)} parameters ({model_cfg.num_layers} layers, hidden "
         f"{model_cfg.hidden_size}, vocabulary {model_cfg.vocab_size}), {model_cfg.dtype} compute",
@@ -81,7 +138,10 @@ def run_summary(cfg, model_cfg, num_params: int, mesh, workdir: str) -> list[str
         f"{jax.process_count()} process(es); mesh {axes}",
         f"RL: {cfg.algorithm.adv_estimator}, {cfg.total_steps} steps x "
         f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples; eval every "
-        f"{cfg.eval_every or cfg.total_steps} steps on {cfg.task.eval_size} held-out prompts",
+        f"{cfg.eval_every or cfg.total_steps} steps on {eval_prompts} held-out prompts",
+        f"prompt: {shorten(prompt)} (task {cfg.task.name}, the first eval prompt as the model "
+        f"sees it)",
+        *([checkpoints] if checkpoints else []),
         f"workdir: {workdir} (metrics.jsonl, samples.jsonl, tensorboard events, checkpoints, "
         f"{LOG_FILE})",
     ]

@@ -27,11 +27,11 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # a few eval answers per eval: {"step", "prompt", "completion", ...}
 JSONL_FILES = (METRICS_FILE, SAMPLES_FILE)
 
-# Progress-bar fields: (label, metric name, format).
+# Progress-bar fields: (label, metric name, format); "kl" only for a run with a KL term.
 _BAR_FIELDS = (
     ("reward", "critic/score/mean", "{:.3f}"),
     ("acc", "val/accuracy", "{:.3f}"),
-    ("kl", "actor/ppo_kl", "{:.1e}"),
+    ("kl", None, "{:.1e}"),  # the metric of the run's KL to the reference (ProgressBar's `kl`)
     ("tok/s", "perf/throughput", "{:.0f}"),
 )
 
@@ -250,17 +250,26 @@ class MetricWriter:
 
 
 class ProgressBar:
-    """tqdm bar over RL steps: reward, last eval accuracy, KL and tokens/s (ETA from tqdm)."""
+    """tqdm bar over RL steps: reward, last eval accuracy, KL to the reference (the metric named
+    `kl`, e.g. "actor/kl_loss"; None: no KL shown) and tokens/s (ETA from tqdm)."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+    def __init__(
+        self, total: int, initial: int = 0, enabled: bool = True, kl: str | None = None, **tqdm_args
+    ):
         self._bar = tqdm.tqdm(
-            total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True
+            total=total,
+            initial=initial,
+            disable=not enabled,
+            unit="step",
+            dynamic_ncols=True,
+            **tqdm_args,
         )
+        self._fields = [(label, kl if label == "kl" else key, f) for label, key, f in _BAR_FIELDS]
         self._shown: dict[str, str] = {}
 
     def update(self, metrics: Mapping, advance: int = 1) -> None:
-        for label, key, fmt in _BAR_FIELDS:
-            if key in metrics:
+        for label, key, fmt in self._fields:
+            if key is not None and key in metrics:
                 self._shown[label] = fmt.format(float(metrics[key]))
         self._bar.set_postfix(self._shown, refresh=False)
         self._bar.update(advance)

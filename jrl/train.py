@@ -35,7 +35,8 @@ from jrl import workdir as workdir_lib
 _CONFIG = cli.define_config()
 _WORKDIR = cli.define_workdir(
     "Output directory (checkpoints, metrics.jsonl, tensorboard events, config.json); a workdir "
-    "with checkpoints resumes from the newest valid one. Default: runs/<config name>/<time>."
+    "with checkpoints resumes from the newest valid one. Default: runs/<config name>/<time> "
+    "under the current directory."
 )
 _FRESH = flags.DEFINE_bool(
     "fresh",

@@ -412,7 +412,17 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         lambda: init(transformer.init_params(model_cfg, key_init)),
     )
     num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-    say("\n".join(console.run_summary(cfg, model_cfg, num_params, mesh, workdir)), flush=True)
+    summary = console.run_summary(
+        cfg,
+        model_cfg,
+        num_params,
+        mesh,
+        workdir,
+        eval_prompts=len(task.eval_batch()["input_ids"]),  # what is evaluated, not task.eval_size
+        prompt=first_prompt(task),
+        checkpoint_bytes=checkpoint_lib.nbytes(abstract.replace(ref_params=None)),
+    )
+    say("\n".join(summary), flush=True)
     base_from_hf = lora_base_from_hf(cfg)
     state, resumed, start = start_or_resume(
         cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
@@ -426,7 +436,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
             metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
     with workdir_lib.writing(metrics_path):
         writer = workdir_lib.Guarded(MetricWriter(workdir, enabled=main_process), metrics_path)
-    bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process)
+    bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process, kl=kl_metric(cfg))
     evaluate = make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar)
     if resumed is None:
         metrics = evaluate(state, 0)
@@ -469,7 +479,8 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
                 break
     # the one way out (done, or preempted after step `done`): save, close, release
-    ckpt.save(done, saved(state), save_extra(done))  # no-op if already saved
+    if cfg.checkpoint.at_end or done < cfg.total_steps:  # a preempted run always saves
+        ckpt.save(done, saved(state), save_extra(done))  # no-op if already saved
     ckpt.close()
     bar.close()
     writer.close()
@@ -478,6 +489,23 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         raise checkpoint_lib.Preempted(done)
     metrics["val/accuracy_first"] = first_accuracy
     return metrics
+
+
+def first_prompt(task) -> str:
+    """The task's first eval prompt as the model sees it: template, chat markup and special
+    tokens included."""
+    batch = task.eval_batch()
+    ids, mask = batch["input_ids"][:1], batch["attention_mask"][:1]
+    return task.decode_responses(ids, mask, skip_special_tokens=False)[0]
+
+
+def kl_metric(cfg) -> str | None:
+    """The metric of the run's KL to the reference (for the progress bar), None without one."""
+    if cfg.actor.use_kl_loss:
+        return "actor/kl_loss"
+    if cfg.algorithm.use_kl_in_reward:
+        return "actor/reward_kl_penalty"
+    return None
 
 
 def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar):

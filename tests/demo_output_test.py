@@ -1,6 +1,7 @@
-"""What a run shows: a few console lines (no library INFO logs), a log file, sample answers in
-samples.jsonl / tensorboard / `jrl.eval --show`, and a warm-up that stops at the first step at
-the target accuracy."""
+"""What a run shows: a few console lines (no library INFO logs, no `datasets` progress bars), a
+log file, sample answers in samples.jsonl / tensorboard / `jrl.eval --show`, and a warm-up that
+stops at the first step at the target accuracy; a run on a user's own files (data=custom) with
+its reward function from a file path."""
 
 import json
 import os
@@ -8,13 +9,15 @@ import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jrl import data, samples, trainer
+from jrl import checkpoint as checkpoint_lib
+from jrl import console, data, samples, trainer
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
 
@@ -48,11 +51,16 @@ def text_summaries(workdir) -> dict:
     return out
 
 
-def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+def bar_frames(text: str) -> list[str]:
+    """The progress bar's frames of a run's output."""
+    return [p for p in re.split(r"[\r\n]", text) if BAR.search(p)]
+
+
+def cli(module: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:
     """`python -m module args` as a new user runs it (no notice-hiding variable set)."""
     env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
     proc = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -69,17 +77,110 @@ def cli_run(tmp_path_factory):
 def test_cli_prints_summary_warmup_evals_and_json_only(cli_run):
     workdir, proc = cli_run
     lines = console_lines(proc.stdout + proc.stderr)
-    # 4 summary lines, the warm-up, 3 evals (steps 0, 1, 2) with one answer each, the JSON line.
-    expected = ["model: ", "devices: ", "RL: grpo, 2 steps", f"workdir: {workdir} ", "warm-up: 2 "]
+    # 5 summary lines, the warm-up, 3 evals (steps 0, 1, 2) with one answer each, the JSON line.
+    expected = ["model: ", "devices: ", "RL: grpo, 2 steps", "prompt: '<bos>"]
+    expected += [f"workdir: {workdir} ", "warm-up: 2 "]
     expected += [p for s in (0, 1, 2) for p in (f"step {s}: val/accuracy ", "  e.g. reward ")]
     assert len(lines) == len(expected) + 1, "\n".join(lines)
     for line, prefix in zip(lines, expected):
         assert line.startswith(prefix), (line, prefix)
     assert json.loads(lines[-1])["workdir"] == str(workdir)
     assert "model: 21.4K parameters" in lines[0]  # tiny: embed 88 x 32 + 2 blocks (hand count)
+    assert lines[2].endswith("on 16 held-out prompts")  # the tiny preset's task.eval_size
+    # The prompt is an eval problem "a+b=" after the bos token; its first answer shows it again.
+    prompt = re.fullmatch(r"prompt: '<bos>(\d+\+\d+=)' \(task arithmetic, .*\)", lines[3])
+    assert prompt and f" | '{prompt.group(1)}' -> " in lines[7]
+    frames = bar_frames(proc.stdout + proc.stderr)
+    assert frames and not any("kl=" in f for f in frames)  # no KL term in the demo: no kl shown
     # orbax's INFO records went to the log file, not the console.
     log = open(os.path.join(workdir, "train.log")).read()
     assert " INFO absl " in log and "orbax" in log
+
+
+# The README's "Your own data" example, at the tiny preset's size: a jsonl file of question /
+# answer records, a template, a reward function in a file, no checkpoints and a KL loss.
+REWARD_PY = """
+def exact(responses, ground_truths):
+    return [float(r.split("\\n")[0].strip() == g.strip()) for r, g in zip(responses, ground_truths)]
+"""
+
+
+@pytest.fixture(scope="module")
+def custom_run(tmp_path_factory):
+    home = tmp_path_factory.mktemp("own_data")
+    (home / "data").mkdir()
+    for name, n in (("train", 40), ("eval", 5)):  # 5 eval records: fewer than eval_size (16)
+        rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(n)]
+        (home / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (home / "my_reward.py").write_text(REWARD_PY)
+    options = [
+        "--config.task.train_files=data/train.jsonl",
+        "--config.task.eval_files=data/eval.jsonl",
+        "--config.task.template=Question: {question} Answer:",
+        "--config.task.reward=my_reward.py:exact",  # a file, not a module on PYTHONPATH
+        "--config.data.max_response_length=4",
+        "--config.total_steps=2",
+        "--config.checkpoint.every_steps=0",
+        "--config.checkpoint.at_end=False",
+        "--config.actor.use_kl_loss=True",
+    ]
+    config = f"--config={REPO}/configs/grpo_math.py:tiny,data=custom"
+    proc = cli("jrl.train", config, "--workdir=run", *options, cwd=str(home))
+    return home / "run", proc
+
+
+def test_own_data_run_shows_its_prompt_count_and_no_datasets_lines(custom_run):
+    workdir, proc = custom_run
+    output = proc.stdout + proc.stderr
+    # datasets' "Generating train split: ..." progress bars are off while jrl reads the files.
+    assert "Generating" not in output and "examples/s" not in output, output
+    lines = console_lines(output)
+    assert lines[2].endswith("eval every 2 steps on 5 held-out prompts"), lines[2]
+    assert lines[3] == (
+        "prompt: '<bos>Question: What is 0 plus 1? Answer:' (task custom, the first eval prompt "
+        "as the model sees it)"
+    )
+    assert lines[4].startswith("checkpoints: none (checkpoint.every_steps=0, ")
+    frames = bar_frames(output)
+    assert frames and "kl=" in frames[-1]  # the KL loss is on: its value is shown
+    steps = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
+    assert steps == [0, 1, 2]
+    # No checkpoint was written (orbax creates the directory, nothing is committed in it).
+    assert not os.listdir(workdir / "checkpoints") and not os.listdir(workdir / "reference")
+    assert checkpoint_lib.Checkpointer(workdir, every_steps=0, max_to_keep=0).all_steps() == []
+    rows = samples.read(workdir)
+    assert rows[0]["prompt"] == "Question: What is 0 plus 1? Answer:"
+
+
+def test_checkpoint_line_and_sizes():
+    ckpt = grpo_math.get_config().checkpoint  # every 50 steps, the newest 3 kept, at the end
+    assert console.checkpoint_line(ckpt, 50e6) is None  # small: not announced
+    # Gemma 3 270M: about 268M float32 parameters + Adam's two moments: 12 bytes each.
+    line = console.checkpoint_line(ckpt, 268e6 * 12)
+    assert line.startswith(
+        "checkpoints: about 3.22 GB each (parameters + optimizer state), every 50 steps and at the "
+        "end, the newest 3 kept;"
+    )
+    ckpt.every_steps = 0
+    line = console.checkpoint_line(ckpt, 3e9)
+    assert line.startswith("checkpoints: about 3 GB each (parameters + optimizer state), at the e")
+    ckpt.at_end = False
+    assert console.checkpoint_line(ckpt, 1).startswith("checkpoints: none")
+    tree = {  # 3 x 4 float32, 5 bfloat16, a PRNG key (two uint32), nothing
+        "w": jax.ShapeDtypeStruct((3, 4), jnp.float32),
+        "b": jnp.zeros(5, jnp.bfloat16),
+        "key": jax.random.key(0),
+        "ref": None,
+    }
+    assert checkpoint_lib.nbytes(tree) == 48 + 10 + 8
+
+
+def test_long_prompts_keep_their_start_and_end():
+    text = "Q: " + "x" * 300 + '\nwrite the answer after "####".'
+    shown = console.shorten(text, width=100)
+    assert len(shown) == 100
+    assert shown.startswith("'Q: xxx") and shown.endswith('\\nwrite the answer after "####".\'')
+    assert console.shorten("7+8=") == "'7+8='"
 
 
 def test_samples_jsonl_tensorboard_and_eval_show_agree(cli_run):

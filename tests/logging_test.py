@@ -63,6 +63,36 @@ def rows_of(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+@pytest.mark.parametrize(
+    "use_kl_loss, use_kl_in_reward, shown",
+    [(False, False, None), (True, False, "kl=2.5e-03"), (False, True, "kl=7.0e-04")],
+)
+def test_progress_bar_shows_kl_only_with_a_kl_term(use_kl_loss, use_kl_in_reward, shown):
+    from jrl import config as config_lib
+    from jrl import trainer
+
+    cfg = config_lib.base_config()
+    cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward = use_kl_loss, use_kl_in_reward
+    out = io.StringIO()
+    bar = logging_lib.ProgressBar(2, kl=trainer.kl_metric(cfg), file=out)
+    metrics = {
+        "critic/score/mean": 0.5,
+        "actor/ppo_kl": 0.0,  # one update per step: no policy change to measure, always 0
+        "actor/kl_loss": 0.0025,
+        "actor/reward_kl_penalty": 0.0007,
+        "perf/throughput": 1000.0,
+    }
+    bar.update(metrics)
+    bar.update(metrics)
+    bar.close()
+    last = out.getvalue().split("\r")[-1]
+    assert "reward=0.500" in last and "tok/s=1000" in last
+    if shown is None:
+        assert "kl=" not in last
+    else:
+        assert shown in last and last.count("kl=") == 1
+
+
 def test_local_workdir_appends_flushed_rows_and_writes_events_in_place(tmp_path):
     earlier = {"step": 0, "val/accuracy": 0.125}  # a row of an earlier (resumed) run
     (tmp_path / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")

@@ -246,8 +246,17 @@ def test_registry(tok, files):
     assert isinstance(
         data.make_task("arithmetic", tok, num_digits=1, eval_size=4), data.ArithmeticTask
     )
-    with pytest.raises(ValueError, match="unknown task 'gsm9k'.*arithmetic, gsm8k, math"):
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'.*arithmetic, custom, gsm8k, math"):
         data.make_task("gsm9k", tok)
+    # custom: the question as written (no instruction), the answer as the ground truth.
+    own = write_jsonl(files[0] + ".own.jsonl", [{"question": "7+8=", "answer": "15"}] * 3)
+    task = data.make_task("custom", tok, train_files=own, eval_size=1)
+    batch = task.eval_batch()
+    assert task.decode_responses(batch["input_ids"], batch["attention_mask"], False) == [
+        "<bos>7+8="
+    ]
+    assert task.ground_truths_for(batch["split"], batch["row_id"]) == ["15"]
+    assert task.name == "custom" and task.answer_format is None
 
 
 def test_rows_pick_a_hosts_share_of_the_same_batch(tok, files):

@@ -275,6 +275,25 @@ def test_user_reward_by_path(task, helpers):
     np.testing.assert_array_equal(np.asarray(jitted(same)(batch, r, mk)), list(map(len, TEXTS)))
 
 
+def test_user_reward_by_file_path(task, tmp_path, monkeypatch):
+    # Not on sys.path: loaded from its file, relative to the current directory or absolute.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "my_reward.py").write_text(
+        "def ends_in_digit(responses, truths):\n"
+        "    return [float(r[-1:].isdigit()) for r in responses]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    batch, (r, mk) = rows_of(task), response_arrays()
+    for path in ("sub/my_reward.py", str(tmp_path / "sub" / "my_reward.py")):
+        reward = rewards.get_reward(f"{path}:ends_in_digit", task)
+        # TEXTS: "#### 2", "so 3", "#### 4", "the answer is 42xxxx"
+        np.testing.assert_array_equal(np.asarray(jitted(reward)(batch, r, mk)), [1, 1, 1, 0])
+    with pytest.raises(ValueError, match="reward function file 'sub/nope.py' .* does not exist"):
+        rewards.get_reward("sub/nope.py:f", task)
+    with pytest.raises(ValueError, match="module 'sub/my_reward.py' has no attribute 'g'"):
+        rewards.get_reward("sub/my_reward.py:g", task)
+
+
 @pytest.mark.parametrize(
     "fn,message",
     [

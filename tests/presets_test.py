@@ -12,6 +12,8 @@ import textwrap
 import pytest
 
 from jrl import config as config_lib
+from jrl import step as step_lib
+from jrl import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -44,10 +46,13 @@ STATE_LIMIT = 0.5
 
 
 def _with_user_paths(cfg, tmp_path, hf: bool):
-    """What the command line must add to a preset: the data files of data=, and for model= a
-    checkpoint directory (hf) or a tokenizer for a random model of the preset's shape."""
+    """What the command line must add to a preset: the data files of data= (and for data=custom
+    a reward function), and for model= a checkpoint directory (hf) or a tokenizer for a random
+    model of the preset's shape."""
     if cfg.task.name != "arithmetic":
         cfg.task.train_files = str(tmp_path / "train.jsonl")  # validate only checks it is set
+    if cfg.task.name == "custom":
+        cfg.task.reward = "my_reward.py:score"  # validate does not import it
     if cfg.tokenizer == "" and hf:
         (tmp_path / "config.json").write_text("{}")
         cfg.model.hf_path = str(tmp_path)
@@ -104,6 +109,58 @@ def test_model_presets_have_the_published_shape(name):
     _, _, layers, q_heads, kv_heads, context = PUBLISHED[name]
     assert (m.num_layers, m.num_heads, m.num_kv_heads) == (layers, q_heads, kv_heads)
     assert m.max_position_embeddings == context and m.qkv_bias and m.vocab_size > 150_000
+
+
+def test_hf_preset_is_verl_grpo_for_any_checkpoint_with_one_update_per_step(tmp_path):
+    cfg = grpo_math.get_config("model=hf")
+    base = grpo_math.get_config()
+    # verl's GSM8K GRPO example (examples/grpo_trainer): lr 1e-6, KL loss 0.001 low_var_kl,
+    # no KL in the reward, no entropy bonus; a constant rate, no weight decay.
+    assert (cfg.actor.lr, cfg.actor.lr_warmup_steps, cfg.actor.weight_decay) == (1e-6, 0, 0.0)
+    assert (cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef) == (True, 0.001)
+    assert cfg.actor.kl_loss_type == "low_var_kl" and not cfg.algorithm.use_kl_in_reward
+    assert cfg.actor.entropy_coeff == 0.0 and cfg.algorithm.adv_estimator == "grpo"
+    # One optimizer update per step: the mini-batch is the step's prompts, one epoch.
+    assert cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size == 8
+    assert cfg.actor.ppo_epochs == 1 and step_lib.updates_per_step(cfg) == 1
+    assert step_lib.updates_per_step(base) == 2  # the demo's 32 prompts in mini-batches of 16
+    # The checkpoint's own tokenizer, no warm-up, float32 (no bf16 unless asked for).
+    assert cfg.tokenizer == "" and cfg.warmup.sft_steps == 0
+    assert (cfg.model.dtype, cfg.model.param_dtype) == ("float32", "float32")
+    # The checkpoint's own architecture: model.* shape fields are the base's (config.json wins).
+    shape = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")
+    assert {k: cfg.model[k] for k in shape} == {k: base.model[k] for k in shape}
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "vocab_size": 96,
+                "hidden_size": 48,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+                "intermediate_size": 80,
+            }
+        )
+    )
+    cfg.model.hf_path = str(tmp_path)
+    config_lib.validate(cfg)
+    mc = trainer.model_config(cfg, vocab_size=0)
+    assert (mc.vocab_size, mc.hidden_size, mc.num_layers, mc.num_heads) == (96, 48, 3, 6)
+    assert (mc.num_kv_heads, mc.intermediate_size, mc.dtype) == (2, 80, "float32")
+
+
+def test_custom_data_preset_asks_for_a_reward():
+    cfg = grpo_math.get_config("data=custom")
+    assert (cfg.task.name, cfg.task.template, cfg.warmup.sft_steps) == ("custom", "", 0)
+    cfg.task.train_files = "train.jsonl"
+    with pytest.raises(config_lib.ConfigError) as e:  # the demo's in-graph reward cannot score it
+        config_lib.validate(cfg)
+    assert str(e.value) == (
+        "task.reward='arithmetic_exact_match' scores the built-in arithmetic task only; for "
+        "task.name='custom' set --config.task.reward to your function (path/to/reward.py:function "
+        "or package.module:function) or one of format, gsm8k, math."
+    )
 
 
 def test_mesh_presets_apply_last():

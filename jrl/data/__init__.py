@@ -12,19 +12,29 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
                 -> ground truth.
-    gsm8k / math kwargs (`MathTask`): train_files, eval_files, question_field, answer_field,
-    template, prompt_format ("plain" | "chat"), system_prompt, max_prompt_length,
+  "custom"      a user's own records, "question" -> prompt as written (template "{question}",
+                no instruction added), "answer" -> ground truth (for a user reward function).
+    gsm8k / math / custom kwargs (`MathTask`): train_files, eval_files, question_field,
+    answer_field, template, prompt_format ("plain" | "chat"), system_prompt, max_prompt_length,
     max_response_length, overlong_prompts ("drop" | "truncate" | "error"), eval_size, seed,
     answer_format, add_bos. Batches carry `row_id` / `split` for the host rewards "gsm8k",
     "math", "format" and user reward functions.
 """
 
 from jrl.data.arithmetic import ArithmeticTask
-from jrl.data.math_data import MathTask, gsm8k_task, math_task
+from jrl.data.math_data import MathTask, custom_task, gsm8k_task, math_task
 from jrl.registry import Registry
 
 # name -> (tokenizer, **kwargs) -> task
-TASKS = Registry("task", {"arithmetic": ArithmeticTask, "gsm8k": gsm8k_task, "math": math_task})
+TASKS = Registry(
+    "task",
+    {
+        "arithmetic": ArithmeticTask,
+        "gsm8k": gsm8k_task,
+        "math": math_task,
+        "custom": custom_task,
+    },
+)
 
 
 def make_task(name: str, tokenizer, **kwargs):
@@ -33,4 +43,12 @@ def make_task(name: str, tokenizer, **kwargs):
     return TASKS.get(name)(tokenizer, **kwargs)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "MathTask", "gsm8k_task", "make_task", "math_task"]
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "MathTask",
+    "custom_task",
+    "gsm8k_task",
+    "make_task",
+    "math_task",
+]

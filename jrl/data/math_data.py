@@ -1,5 +1,6 @@
-"""GSM8K- and MATH-style tasks: question / answer records read from local parquet, jsonl, json or
-csv files with the `datasets` library (never from the Hub).
+"""GSM8K- and MATH-style tasks, and a user's own ("custom"): question / answer records read from
+local parquet, jsonl, json or csv files with the `datasets` library (never from the Hub; its
+progress bars are off while it reads).
 
 Each record gives a prompt (its question field through a template, or the tokenizer's chat
 template) and a ground truth (its answer field, scored on the host by jrl/rewards/math.py). All
@@ -26,6 +27,7 @@ Batches are dicts of numpy arrays (Bp rows, P = prompt_length):
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import os
 import string
@@ -104,7 +106,8 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
         raise ValueError(f"{split} files {paths} mix formats: give files of one format.")
     builder = builders.pop()
     try:
-        ds = datasets.load_dataset(builder, data_files=paths, split="train")
+        with quiet_datasets():
+            ds = datasets.load_dataset(builder, data_files=paths, split="train")
     except Exception as e:
         root = _root_cause(e)
         detail = (str(root).strip().splitlines() or [""])[0][:200].rstrip(".")
@@ -142,6 +145,21 @@ def load_records(files: Files, fields: Sequence[str], split: str) -> dict[str, l
             )
         out[field] = list(values)
     return out
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """`datasets` without its progress bars ("Generating train split: ...") for the loads inside;
+    the caller's setting is restored after."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 # What a file of each reader must hold (the hint of a read error).
@@ -190,8 +208,8 @@ class MathTask:
       eval_size: eval rows: the first `eval_size` kept eval examples (0: all); without eval
         files, that many train examples held out by `seed` (must be > 0).
       seed: data order (train permutations and the held-out choice).
-      answer_format: "gsm8k" (`####` answers) | "boxed" (`\\boxed{}` answers), read by the
-        "format" reward.
+      answer_format: "gsm8k" (`####` answers) | "boxed" (`\\boxed{}` answers) | None (neither),
+        read by the "format" reward.
       add_bos: prepend the tokenizer's bos token (when it has one) to "plain" prompts.
 
     Attributes:
@@ -509,6 +527,14 @@ MATH_DEFAULTS = dict(
     answer_format="boxed",
     name="math",
 )
+# A user's own prompt / answer file: the question as it is, no instruction added.
+CUSTOM_DEFAULTS = dict(
+    question_field="question",
+    answer_field="answer",
+    template="{question}",
+    answer_format=None,
+    name="custom",
+)
 
 
 def gsm8k_task(tokenizer, **kwargs) -> MathTask:
@@ -523,3 +549,10 @@ def math_task(tokenizer, **kwargs) -> MathTask:
     bare answer, e.g. answer_field="answer" for MATH-500) -> ground truth, for the "math" reward.
     Takes `MathTask`'s keyword options; the defaults are MATH_DEFAULTS."""
     return MathTask(tokenizer, **{**MATH_DEFAULTS, **kwargs})
+
+
+def custom_task(tokenizer, **kwargs) -> MathTask:
+    """A user's own records: `question` -> prompt exactly as written (template "{question}": no
+    instruction added), `answer` -> ground truth, for a user reward function (or "gsm8k" /
+    "math"). Takes `MathTask`'s keyword options; the defaults are CUSTOM_DEFAULTS."""
+    return MathTask(tokenizer, **{**CUSTOM_DEFAULTS, **kwargs})

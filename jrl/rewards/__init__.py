@@ -17,7 +17,9 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
                 timeout_s (per answer, default 5.0), num_workers (default 2).
       "format"  1.0 when the response states a final answer in the task's form (`####` for
                 gsm8k, boxed for math); option: style ("gsm8k" | "boxed").
-      "package.module:function" (or "user:package.module:function"): a user score function
+      "package.module:function" (or "user:package.module:function"; the module imported from
+                the current directory or PYTHONPATH) or "path/to/file.py:function" (the file
+                loaded from its path): a user score function
                 `(responses: list[str], ground_truths: list[str]) -> list[float]`.
 """
 
@@ -52,7 +54,8 @@ HOST_REWARDS = Registry(
 
 
 def names() -> list[str]:
-    """Every registered reward name (user functions are given as "package.module:function")."""
+    """Every registered reward name (user functions are given as "package.module:function" or
+    "path/to/file.py:function")."""
     return sorted({**REWARDS, **HOST_REWARDS})
 
 
@@ -61,7 +64,10 @@ def _lookup(name: str):
     try:
         return Registry("reward", {**HOST_REWARDS, **REWARDS}).get(name)
     except UnknownName as e:
-        raise UnknownName(f"{e} A user function is given as 'package.module:function'.") from None
+        raise UnknownName(
+            f"{e} A user function is given as 'package.module:function' or "
+            "'path/to/file.py:function'."
+        ) from None
 
 
 def get_reward(name: str, task=None, tokenizer=None, **options):

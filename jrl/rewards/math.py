@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import importlib.util
 import json
 import logging
 import multiprocessing.connection
@@ -399,16 +400,27 @@ def resolve_backend(backend: str) -> str:
 
 
 def import_path(path: str, what: str = "function"):
-    """The object at "package.module:name"; a one-line ValueError when it cannot be found."""
-    module_name, sep, attr = path.partition(":")
+    """The object at "package.module:name" (the module imported from `sys.path`: the current
+    directory and PYTHONPATH) or at "path/to/file.py:name" (the file loaded from its path,
+    relative to the current directory); a one-line ValueError when it cannot be found."""
+    module_name, sep, attr = path.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{what} path {path!r} must look like 'package.module:function'.")
+        raise ValueError(
+            f"{what} path {path!r} must look like 'package.module:function' or "
+            "'path/to/file.py:function'."
+        )
+    is_file = module_name.endswith(".py")
+    if is_file and not os.path.isfile(module_name):
+        raise ValueError(
+            f"{what} file {module_name!r} of {path!r} does not exist (a relative path starts at "
+            f"the current directory, {os.getcwd()}); check the path."
+        )
     try:
-        module = importlib.import_module(module_name)
+        module = _import_file(module_name) if is_file else importlib.import_module(module_name)
     except Exception as e:
         raise ValueError(
             f"cannot import module {module_name!r} of {what} {path!r}: {type(e).__name__}: {e}; "
-            "check the name and that it is on PYTHONPATH."
+            "check the name and that it is on PYTHONPATH (or give 'path/to/file.py:function')."
         ) from e
     obj = module
     for part in attr.split("."):
@@ -418,6 +430,23 @@ def import_path(path: str, what: str = "function"):
     if not callable(obj):
         raise ValueError(f"{what} {path!r} is a {type(obj).__name__}, not callable.")
     return obj
+
+
+def _import_file(file_path: str):
+    """The module of the Python file `file_path`, run once per process (kept in sys.modules
+    under a name made from its absolute path)."""
+    full = os.path.abspath(file_path)
+    name = "jrl_user_" + "".join(c if c.isalnum() else "_" for c in full)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, full)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 # ------------------------------------------------------------------- time-limited worker pool

@@ -2,12 +2,13 @@
 
 A score function works on text: `score_fn(responses: list[str], ground_truths: list[str]) ->
 sequence of B floats` (the built-in ones are in `jrl.rewards.math`; users give their own as
-"package.module:function"). `make_python_reward` turns one into a reward with the signature of the
-JAX rewards, `reward_fn(batch, response_ids, response_mask, *, eos_id) -> [B] float32`, that can
-be called inside `jax.jit`: the callback copies `row_id`, `split`, `response_ids` and
-`response_mask` to the host, decodes the masked response tokens (special tokens skipped), looks up
-the ground truths with `task.ground_truths_for(split, row_id)`, calls the score function and
-checks its result (B finite numbers). The call blocks the step until the scores are back.
+"package.module:function" or "path/to/file.py:function"). `make_python_reward` turns one into a
+reward with the signature of the JAX rewards, `reward_fn(batch, response_ids, response_mask, *,
+eos_id) -> [B] float32`, that can be called inside `jax.jit`: the callback copies `row_id`,
+`split`, `response_ids` and `response_mask` to the host, decodes the masked response tokens
+(special tokens skipped), looks up the ground truths with `task.ground_truths_for(split,
+row_id)`, calls the score function and checks its result (B finite numbers). The call blocks
+the step until the scores are back.
 
 Errors name the sample: an exception inside the score function, a wrong number of scores, or a
 score that is not a finite number raises `RewardError` naming the reward, the sample index, its
@@ -37,7 +38,8 @@ class RewardError(ValueError):
 
 
 def load_score_fn(path: str) -> ScoreFn:
-    """The user score function at "package.module:function" (a "user:" prefix is allowed)."""
+    """The user score function at "package.module:function" or "path/to/file.py:function" (a
+    "user:" prefix is allowed)."""
     path = path.removeprefix("user:")
     return import_path(path, "reward function")
 
