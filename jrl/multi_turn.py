@@ -103,6 +103,13 @@ def _host_call(host, b: int, k: int, s: int):
     return call, shapes
 
 
+def _when(pred, fn, operand):
+    """fn(operand) if pred else operand, as a `while_loop` of 0 or 1 trips: XLA updates a loop's
+    carry in place, where `lax.cond` copied every operand it passes through (the whole KV
+    cache, at every decode step)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, fn(c[1])), (pred, operand))[1]
+
+
 def generate(
     model_cfg: transformer.ModelConfig,
     params,
@@ -205,9 +212,7 @@ def generate(
             new = transformer.lm_logits(model_cfg, last[:, 0], out.head)
             return jnp.where((n > 0)[:, None], new, logits), pin(out.cache)
 
-        logits, cache = jax.lax.cond(
-            jnp.any(n > 0), append, lambda logits, cache: (logits, cache), logits, cache
-        )
+        logits, cache = _when(jnp.any(n > 0), lambda c: append(*c), (logits, cache))
         ids = put(ids, length, block, n)
         finished = waiting & res.finished
         length = length + n
@@ -221,7 +226,7 @@ def generate(
 
     def body(carry):
         carry, waiting = decode(carry)
-        return jax.lax.cond(jnp.any(waiting), turn, lambda c, w: c, carry, waiting)
+        return _when(jnp.any(waiting), lambda c: turn(c, waiting), carry)
 
     zeros_b = jnp.zeros((b,), jnp.int32)
     carry = (last_logits, pin(pre.cache), zeros_b, jnp.zeros((b,), bool), zeros_b, zeros_b + 1)
