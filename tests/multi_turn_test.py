@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import multi_turn, rollout
+from jrl import multi_turn, rollout, sharding
 from jrl.models import transformer as tfm
 
 CFG = tfm.ModelConfig(
@@ -274,3 +274,39 @@ def test_one_compile_for_any_number_of_turns(rule_gen):
     assert len(set(turns)) >= 2, turns  # the calls really had different numbers of turns
     assert max(turns) <= 4 and turns[0] == 1
     assert len(traces) == 1
+
+
+def test_sharded_rows_give_the_same_rollout(rule_gen, params):
+    """Under a (data, fsdp, tensor) mesh, the host sees whole rows and the rollout is the
+    unsharded one's."""
+    gen, host, _ = rule_gen
+    host.max_turns = 3
+    want = gen(jax.random.key(5))
+    mesh = sharding.make_mesh(shape=(2, 2, 2))
+    other = RuleHost(max_turns=3)
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, sharding.param_shardings(mesh, params, tfm.logical_axes(CFG)))
+        run_sharded = jax.jit(lambda p, key: run(p, other, key, 16, 0.7))
+        got = jax.block_until_ready(run_sharded(p, jax.random.key(5)))  # the host's calls done
+    assert other.calls > 0 and int(np.max(got.num_turns)) >= 2
+    for name in multi_turn.MultiTurnRollout._fields:
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        if name == "log_probs":
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_bad_host_answers_and_settings_are_named():
+    class Bad(NeverAppends):
+        def __call__(self, ids, length, turn_start, waiting, turns):
+            out = super().__call__(ids, length, turn_start, waiting, turns)
+            return out._replace(block_ids=out.block_ids[:, :2])
+
+    call, _ = multi_turn._host_call(Bad(), 4, K, 0)
+    z = np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match=r"block_ids has shape \(4, 2\), expected \(4, 4\)"):
+        call(np.zeros((4, 6), np.int32), z, z, z.astype(bool), z)
+    no_eos = type("NoEos", (NeverAppends,), {"stop_ids": (CALL,)})()
+    with pytest.raises(ValueError, match="lack eos_id 2"):
+        run(None, no_eos, jax.random.key(0), 6)
