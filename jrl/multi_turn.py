@@ -8,8 +8,10 @@ and returns a block of up to K token ids per waiting row (a rendered tool result
 forward writes every waiting row's block into its KV cache and response at the row's own offset
 (rows with nothing to append are left unchanged). Decoding then goes on from the block's last
 token. A row ends when the host says so, or when the response budget R is full (a block that
-does not fit is cut on the right). Turn counts are data: the loop compiles once, and a step
-without a waiting row does not call the host (`lax.cond`).
+does not fit is cut on the right; a row whose last slot holds a stop id ends without a call).
+Turn counts are data: the loop compiles once. A step without a waiting row neither calls the
+host nor runs the block forward: both sit in `while_loop`s of 0 or 1 trips (`_when`), which,
+unlike `lax.cond`, leave the KV cache in place.
 
 Arrays follow verl's agent-loop contract (docs/design.md#token-alignment for the alignment):
 response slot t holds a model token (`response_mask` 1, `log_probs` the sampler's log-prob) or
@@ -22,7 +24,9 @@ The host (see `Host`) is called through `jax.experimental.io_callback`, unordere
 effects (it runs tools, keeps time limits and counts) and must run exactly once per call site
 execution, which `pure_callback` does not promise (a pure call may be dropped or repeated); the
 calls need no ordering token, since each one's inputs depend on the previous one's outputs
-through the loop carry.
+through the loop carry. Under a mesh the host gets whole [B] arrays (the callback runs on one
+device's host); with asynchronous dispatch its own counts are complete only once the outputs
+are ready.
 """
 
 from __future__ import annotations
@@ -53,12 +57,13 @@ class Host(Protocol):
     """The host side of the turn loop (tool calls parsed, run and rendered on the CPU).
 
     `block_size`: K, the most tokens one call appends to a row. `stop_ids`: the token ids that
-    pause a row and call the host (EOS among them). `stat_names`: the S columns of
-    `TurnResult.stats`. The call gets the responses so far, `response_ids` [B, R] int32 (pad
-    after `length`), `length` [B] int32, `turn_start` [B] int32 (the response slot where the
-    row's current model turn began: the turn is response_ids[b, turn_start[b]:length[b]], its
-    last token a stop id), `waiting` [B] bool (the rows to answer) and `turns` [B] int32 (the
-    row's model turns so far, the one just ended included)."""
+    pause a row and call the host (EOS among them). `stat_names` (optional, default none): the
+    S columns of `TurnResult.stats`. The call gets the responses so far, `response_ids`
+    [B, R] int32 (pad after `length`), `length` [B] int32, `turn_start` [B] int32 (the response
+    slot where the row's current model turn began: the turn is
+    response_ids[b, turn_start[b]:length[b]], its last token a stop id), `waiting` [B] bool
+    (the rows to answer) and `turns` [B] int32 (the row's model turns so far, the one just
+    ended included; a call that appends nothing to a row that goes on keeps its turn open)."""
 
     block_size: int
     stop_ids: Sequence[int]
@@ -73,8 +78,26 @@ class MultiTurnRollout(NamedTuple):
     log_probs: jax.Array  # [B, R] float32: the sampler's log-probs, 0 on tool tokens and padding
     valid: jax.Array  # [B, R] int32: 1 on model and tool tokens up to the row's end
     tool_reward: jax.Array  # [B] float32: the host's rewards, summed over the row's calls
-    num_turns: jax.Array  # [B] int32: model turns (stretches of model tokens) of the row
+    assistant_turns: jax.Array  # [B] int32: model turns (stretches of model tokens) of the row
+    num_turns: jax.Array  # [B] int32: verl's count, model turns + tool blocks appended + 1
     stats: jax.Array  # [B, S] float32: the host's stats, summed over the row's calls
+
+
+class _Loop(NamedTuple):
+    """The decode loop's carry."""
+
+    logits: jax.Array  # [B, V] float32: each row's next-token logits
+    cache: tuple  # the KV cache, per layer {"k", "v"} [B, K, P + R, D]
+    length: jax.Array  # [B] int32: response slots filled (the next token's slot)
+    done: jax.Array  # [B] bool: the row has ended
+    turn_start: jax.Array  # [B] int32: the slot where the row's current model turn began
+    turns: jax.Array  # [B] int32: model turns so far, the current one included
+    blocks: jax.Array  # [B] int32: tool blocks appended
+    ids: jax.Array  # [B, R] int32
+    mask: jax.Array  # [B, R] int32: 1 on model tokens
+    logps: jax.Array  # [B, R] float32
+    reward: jax.Array  # [B] float32
+    stats: jax.Array  # [B, S] float32
 
 
 def _host_call(host, b: int, k: int, s: int):
@@ -136,7 +159,7 @@ def generate(
     ([B, R] int32 or None, for scripted tests): where >= 0, the model token at that response
     slot is this id instead of a draw; its log-prob is still the policy's."""
     stop_ids = tuple(int(i) for i in host.stop_ids)
-    k, s = int(host.block_size), len(tuple(host.stat_names))
+    k, s = int(host.block_size), len(tuple(getattr(host, "stat_names", ())))
     if eos_id not in stop_ids:
         raise ValueError(f"multi-turn host: stop_ids {stop_ids} lack eos_id {eos_id}; add it.")
     if k < 1:
@@ -172,72 +195,85 @@ def generate(
         at = jnp.where(jnp.arange(l)[None] < n_B[:, None], at, r)
         return arr_BR.at[rows[:, None], at].set(values_BL.astype(arr_BR.dtype), mode="drop")
 
-    def decode(carry):
+    def decode(c: _Loop):
         """One model token for every live row, at its own slot, and its forward."""
-        logits, cache, length, done, turn_start, turns, ids, mask, logps, reward, stats = carry
-        live = ~done
-        slot = jnp.minimum(length, r - 1)[:, None]
+        live = ~c.done
+        slot = jnp.minimum(c.length, r - 1)[:, None]
         u = jnp.take_along_axis(uniforms_BR, slot, 1)[:, 0]
         token, logp = rollout.sample_token(
-            u, logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
+            u, c.logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
         )
         if force_ids is not None:
             forced = jnp.take_along_axis(jnp.asarray(force_ids, jnp.int32), slot, 1)[:, 0]
             token = jnp.where(forced >= 0, forced, token)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature), token[:, None], 1)
-            logp = logp[:, 0]
+            logp = jax.nn.log_softmax(c.logits / temperature)
+            logp = jnp.take_along_axis(logp, token[:, None], 1)[:, 0]
         one = live.astype(jnp.int32)
-        ids = put(ids, length, token[:, None], one)
-        mask = put(mask, length, jnp.ones((b, 1), jnp.int32), one)
-        logps = put(logps, length, logp[:, None], one)
-        out = forward(token[:, None], length, live, cache)
-        logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-        length = length + one
+        out = forward(token[:, None], c.length, live, c.cache)
+        length = c.length + one
         full = length >= r
         waiting = live & ~full & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
-        carry = (logits, pin(out.cache), length, done | full, turn_start, turns)
-        carry += (ids, mask, logps, reward, stats)
-        return carry, waiting
+        c = c._replace(
+            logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head),
+            cache=pin(out.cache),
+            length=length,
+            done=c.done | full,
+            ids=put(c.ids, c.length, token[:, None], one),
+            mask=put(c.mask, c.length, jnp.ones((b, 1), jnp.int32), one),
+            logps=put(c.logps, c.length, logp[:, None], one),
+        )
+        return c, waiting
 
-    def turn(carry, waiting):
+    def turn(c: _Loop, waiting):
         """The host answers the waiting rows; their blocks are appended in one forward."""
-        logits, cache, length, done, turn_start, turns, ids, mask, logps, reward, stats = carry
-        res = io_callback(call_host, result_shapes, ids, length, turn_start, waiting, turns)
-        n = jnp.where(waiting, jnp.clip(res.block_len, 0, jnp.minimum(k, r - length)), 0)
+        res = io_callback(call_host, result_shapes, c.ids, c.length, c.turn_start, waiting, c.turns)
+        n = jnp.where(waiting, jnp.clip(res.block_len, 0, jnp.minimum(k, r - c.length)), 0)
         block = jnp.asarray(res.block_ids, jnp.int32)
 
         def append(logits, cache):
-            out = forward(block, length, n > 0, cache)
+            out = forward(block, c.length, n > 0, cache)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)
             new = transformer.lm_logits(model_cfg, last[:, 0], out.head)
             return jnp.where((n > 0)[:, None], new, logits), pin(out.cache)
 
-        logits, cache = _when(jnp.any(n > 0), lambda c: append(*c), (logits, cache))
-        ids = put(ids, length, block, n)
-        finished = waiting & res.finished
-        length = length + n
-        done = done | finished | (length >= r)
+        logits, cache = _when(jnp.any(n > 0), lambda lc: append(*lc), (c.logits, c.cache))
+        length = c.length + n
+        done = c.done | (waiting & res.finished) | (length >= r)
         next_turn = (n > 0) & ~done  # a new model turn starts after the block
-        turn_start = jnp.where(next_turn, length, turn_start)
-        turns = turns + next_turn.astype(jnp.int32)
-        reward = reward + jnp.where(waiting, res.reward, 0.0)
-        stats = stats + jnp.where(waiting[:, None], res.stats, 0.0)
-        return logits, cache, length, done, turn_start, turns, ids, mask, logps, reward, stats
+        return c._replace(
+            logits=logits,
+            cache=cache,
+            length=length,
+            done=done,
+            turn_start=jnp.where(next_turn, length, c.turn_start),
+            turns=c.turns + next_turn.astype(jnp.int32),
+            blocks=c.blocks + (n > 0).astype(jnp.int32),
+            ids=put(c.ids, c.length, block, n),
+            reward=c.reward + jnp.where(waiting, res.reward, 0.0),
+            stats=c.stats + jnp.where(waiting[:, None], res.stats, 0.0),
+        )
 
-    def body(carry):
-        carry, waiting = decode(carry)
-        return _when(jnp.any(waiting), lambda c: turn(c, waiting), carry)
+    def body(c: _Loop):
+        c, waiting = decode(c)
+        return _when(jnp.any(waiting), lambda c: turn(c, waiting), c)
 
     zeros_b = jnp.zeros((b,), jnp.int32)
-    carry = (last_logits, pin(pre.cache), zeros_b, jnp.zeros((b,), bool), zeros_b, zeros_b + 1)
-    carry += (
-        jnp.full((b, r), pad_id, jnp.int32),
-        jnp.zeros((b, r), jnp.int32),
-        jnp.zeros((b, r), jnp.float32),
-        jnp.zeros((b,), jnp.float32),
-        jnp.zeros((b, s), jnp.float32),
+    start = _Loop(
+        logits=last_logits,
+        cache=pin(pre.cache),
+        length=zeros_b,
+        done=jnp.zeros((b,), bool),
+        turn_start=zeros_b,
+        turns=zeros_b + 1,
+        blocks=zeros_b,
+        ids=jnp.full((b, r), pad_id, jnp.int32),
+        mask=jnp.zeros((b, r), jnp.int32),
+        logps=jnp.zeros((b, r), jnp.float32),
+        reward=jnp.zeros((b,), jnp.float32),
+        stats=jnp.zeros((b, s), jnp.float32),
     )
-    carry = jax.lax.while_loop(lambda c: ~jnp.all(c[3]), body, carry)
-    _, _, length, _, _, turns, ids, mask, logps, reward, stats = carry
-    valid = (jnp.arange(r)[None] < length[:, None]).astype(jnp.int32)
-    return MultiTurnRollout(ids, mask, logps, valid, reward, turns, stats)
+    c = jax.lax.while_loop(lambda c: ~jnp.all(c.done), body, start)
+    valid = (jnp.arange(r)[None] < c.length[:, None]).astype(jnp.int32)
+    return MultiTurnRollout(
+        c.ids, c.mask, c.logps, valid, c.reward, c.turns, c.turns + c.blocks + 1, c.stats
+    )

@@ -156,7 +156,8 @@ def test_scripted_policy_masks_tool_tokens_and_keeps_offsets(params):
     assert np.all(logps[mask == 0] == 0.0)
     assert np.all(logps[mask == 1] < 0.0)
     assert all(not items for items in host.script.values())  # every scripted call was made
-    np.testing.assert_array_equal(out.num_turns, [2, 3, 1, 1])
+    np.testing.assert_array_equal(out.assistant_turns, [2, 3, 1, 1])
+    np.testing.assert_array_equal(out.num_turns, [4, 6, 3, 3])  # verl's: + blocks + 1
     np.testing.assert_allclose(out.tool_reward, [1.0, 2.0, 0.5, 0.5])
     # stats summed over calls: (calls, block tokens offered)
     np.testing.assert_allclose(out.stats, [[2, 3], [4, 5], [1, 4], [1, 2]])
@@ -260,7 +261,8 @@ def test_host_that_never_appends_gives_the_single_turn_rollout_bit_for_bit(param
         np.testing.assert_array_equal(a.response_mask, b.response_mask)
         np.testing.assert_array_equal(a.log_probs, b.log_probs)
         np.testing.assert_array_equal(a.valid, b.response_mask)
-        np.testing.assert_array_equal(a.num_turns, 1)
+        np.testing.assert_array_equal(a.assistant_turns, 1)
+        np.testing.assert_array_equal(a.num_turns, 2)
         early += int(np.sum(np.asarray(b.response_mask).sum(-1) < 8))
     assert early > 0 and host.calls > 0  # some rows ended at EOS, so the host was called
 
@@ -270,7 +272,7 @@ def test_one_compile_for_any_number_of_turns(rule_gen):
     turns = []
     for max_turns in (1, 2, 4):
         host.max_turns = max_turns
-        turns.append(int(np.max(gen(jax.random.key(7)).num_turns)))
+        turns.append(int(np.max(gen(jax.random.key(7)).assistant_turns)))
     assert len(set(turns)) >= 2, turns  # the calls really had different numbers of turns
     assert max(turns) <= 4 and turns[0] == 1
     assert len(traces) == 1
@@ -288,7 +290,7 @@ def test_sharded_rows_give_the_same_rollout(rule_gen, params):
         p = jax.device_put(params, sharding.param_shardings(mesh, params, tfm.logical_axes(CFG)))
         run_sharded = jax.jit(lambda p, key: run(p, other, key, 16, 0.7))
         got = jax.block_until_ready(run_sharded(p, jax.random.key(5)))  # the host's calls done
-    assert other.calls > 0 and int(np.max(got.num_turns)) >= 2
+    assert other.calls > 0 and int(np.max(got.assistant_turns)) >= 2
     for name in multi_turn.MultiTurnRollout._fields:
         a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
         if name == "log_probs":
