@@ -133,6 +133,43 @@ def test_kv_cache_decode_equals_full_forward(params, family):
         assert np.abs(np.asarray(other - full)[:, -1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_per_row_cache_index_writes_each_row_at_its_own_offset(params, family):
+    """A [B] cache index: rows take their continuation tokens in different chunks (row 0: 1,
+    then 3; row 1: nothing, 3, then 1), a row given the slot past the cache is left unchanged,
+    and every token's logits equal the full pass (sliding windows measured per row)."""
+    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, _random_params(GEMMA_CFG))
+    apply = jax.jit(tfm.Transformer(cfg).apply)
+    prompt = np.array([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
+    pmask = (prompt > 0).astype(np.int32)
+    cont = np.array([[7, 8, 9, 10], [11, 12, 13, 14]], np.int32)
+    (b, p), r = prompt.shape, cont.shape[1]
+    s = p + r
+    pos = tfm.positions_from_mask(jnp.asarray(pmask))
+    causal = pmask.astype(bool)[:, None, :] & np.tri(p, dtype=bool)[None]
+    cache = apply({"params": params}, prompt, pos, causal, tfm.init_cache(cfg, b, p), 0).cache
+    cache = jax.tree.map(lambda c: jnp.pad(c, ((0, 0), (0, 0), (0, r), (0, 0))), cache)
+    key_valid = np.concatenate([pmask.astype(bool), np.ones((b, r), bool)], 1)
+    full_ids = np.concatenate([prompt, cont], 1)
+    full_mask = np.concatenate([pmask, np.ones_like(cont)], 1)
+    full = np.asarray(_forward(cfg, params, jnp.asarray(full_ids), jnp.asarray(full_mask)))
+    done = np.zeros(b, int)  # continuation tokens each row has written
+    for chunk, takes in ((1, [True, False]), (3, [True, True]), (1, [False, True])):
+        start = done.copy()
+        t = start[:, None] + np.arange(chunk)[None]  # [B, L] continuation index per token
+        ids = np.take_along_axis(cont, np.minimum(t, r - 1), 1)
+        mask = key_valid[:, None, :] & (np.arange(s)[None, None] <= p + t[..., None])
+        index = np.where(takes, p + start, s)  # s: past the cache, the row writes nothing
+        out = apply({"params": params}, ids, pos[:, -1:] + 1 + t, mask, cache, jnp.asarray(index))
+        cache = out.cache
+        logits = np.asarray(tfm.lm_logits(cfg, out.hidden, out.head))
+        for row in np.flatnonzero(takes):
+            want = full[row, p + t[row]]
+            np.testing.assert_allclose(logits[row], want, atol=1e-5)
+        done += np.where(takes, chunk, 0)
+    np.testing.assert_array_equal(done, r)
+
+
 def test_sliding_window_sees_the_last_window_tokens_only():
     """One sliding layer, window 2: position t reads tokens t-1 and t, whatever the padding."""
     cfg = tfm.ModelConfig(

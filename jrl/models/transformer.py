@@ -28,7 +28,8 @@ One call serves three uses:
   * prefill and KV-cache decode (rollout): pass `cache` (from `init_cache`), `cache_index`, the
     cache slot of the first input token, and a [B, L, S] mask. The new keys / values are written
     there and the queries attend over the cache, as the mask allows (a prefill from slot 0 only
-    over the slots it fills).
+    over the slots it fills). `cache_index` may also be a [B] array, a start slot per row
+    (`write_cache_rows`: the multi-turn rollout, whose rows advance at their own pace).
 
 The module returns the final hidden states and the output projection, not logits: callers take
 `lm_logits` where they need them (the last position in the rollout) or log-probs a chunk of
@@ -336,9 +337,24 @@ def softcap(x, cap: float | None):
 
 
 def sliding_window_mask(window: int, query_len: int, key_len: int, cache_index=None):
-    """[L, S] bool: query l (slot cache_index + l) sees key slot s when slot - window < s."""
+    """[L, S] bool: query l (slot cache_index + l) sees key slot s when slot - window < s.
+    With a per-row `cache_index` [B]: [B, L, S]."""
+    if jnp.ndim(cache_index) == 1:
+        q_slot = cache_index[:, None] + jnp.arange(query_len)[None]
+        return jnp.arange(key_len)[None, None, :] > q_slot[..., None] - window
     q_slot = jnp.arange(query_len) + (0 if cache_index is None else cache_index)
     return jnp.arange(key_len)[None, :] > q_slot[:, None] - window
+
+
+def write_cache_rows(cache_BKSD, x_BLKD, start_B):
+    """The cache [B, K, S, D] with row b's L new keys or values written at slots start_B[b] ..
+    start_B[b] + L - 1; slots at or past S are dropped, so a row given start S is left unchanged
+    (the multi-turn rollout's per-row write offsets and masked writes)."""
+    b, l = x_BLKD.shape[:2]
+    slots = start_B[:, None] + jnp.arange(l)[None]  # [B, L]
+    rows = jnp.arange(b)[:, None]
+    # advanced indices on axes 0 and 2 around a slice: the update is laid out [B, L, K, D]
+    return cache_BKSD.at[rows, :, slots, :].set(x_BLKD.astype(cache_BKSD.dtype), mode="drop")
 
 
 def _by_kind(cfg: ModelConfig, sliding, attend):
@@ -384,6 +400,8 @@ class Attention(nn.Module):
             write = lambda c, x: jax.lax.dynamic_update_slice(
                 c, x.astype(c.dtype).transpose(0, 2, 1, 3), (0, 0, cache_index, 0)
             )
+            if jnp.ndim(cache_index) == 1:  # a start slot per row [B]
+                write = lambda c, x: write_cache_rows(c, x, cache_index)
             kk, v = write(cache["k"], kk), write(cache["v"], v)
             new_cache = {"k": kk, "v": v}
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
@@ -418,7 +436,8 @@ def _masked_attention(q, k_BKSD, v_BKSD, mask_BLS, cache_index, window, scale, c
         s = cache_index + l
         k_BKSD, v_BKSD, mask_BLS = k_BKSD[:, :, :s], v_BKSD[:, :, :s], mask_BLS[..., :s]
     if window is not None:
-        mask_BLS = mask_BLS & sliding_window_mask(window, l, k_BKSD.shape[2], cache_index)[None]
+        window_LS = sliding_window_mask(window, l, k_BKSD.shape[2], cache_index)
+        mask_BLS = mask_BLS & (window_LS if window_LS.ndim == 3 else window_LS[None])
     q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
     bias = attention_lib.mask_bias(mask_BLS)[:, None, None]  # [B, 1, 1, L, S]
     out = attention_lib.attend_head_major(
