@@ -35,8 +35,9 @@ def jrl_stage(out: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from configs import grpo_math
-    from jrl import exporter as export_lib
-    from jrl import models, trainer
+    from jrl.run import exporter as export_lib
+    from jrl import models
+    from jrl.run import trainer
     from jrl import tokenizer as tokenizer_lib
     from jrl.models import lora
     from jrl.models import transformer as tfm

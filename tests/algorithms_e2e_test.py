@@ -11,7 +11,7 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.algos import advantages, losses
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

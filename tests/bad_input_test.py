@@ -261,7 +261,7 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
     counts come before any RL step, so no step needs compiling)."""
     sys.path.insert(0, REPO)
     from configs import grpo_math
-    from jrl import trainer
+    from jrl.run import trainer
 
     def question(a, b):
         return {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
@@ -308,7 +308,7 @@ def test_data_file_without_read_permission(data, monkeypatch):
     sys.path.insert(0, REPO)
     from configs import grpo_math
     from jrl import config as config_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     path = os.path.join(data, "train.jsonl")
     access = os.access

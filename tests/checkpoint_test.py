@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jrl import checkpoint as ckpt_lib
+from jrl.run import checkpoint as ckpt_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A failed orbax read leaves an asyncio callback that complains once its event loop has closed,
@@ -310,7 +310,7 @@ _LOOP = """
 import os, signal, sys, time
 import jax, jax.numpy as jnp
 sys.path.insert(0, {repo!r})
-from jrl import checkpoint as ckpt_lib
+from jrl.run import checkpoint as ckpt_lib
 
 ck = ckpt_lib.Checkpointer({workdir!r}, every_steps=1000, max_to_keep=3)
 state = {{"w": jnp.zeros((256, 256)), "step": jnp.int32(0), "key": jax.random.key(0)}}

@@ -14,7 +14,8 @@ import optax
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jrl import data, samples, trainer
+from jrl import data
+from jrl.run import samples, trainer
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
 

@@ -17,10 +17,10 @@ import pytest
 from flax import traverse_util
 
 import jrl.models
-from jrl import evaluator as eval_lib
-from jrl import exporter as export_lib
+from jrl.run import evaluator as eval_lib
+from jrl.run import exporter as export_lib
 from jrl import tokenizer as tokenizer_lib
-from jrl import trainer
+from jrl.run import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)

@@ -18,7 +18,7 @@ import pytest
 from jrl import config as config_lib
 from jrl import sharding
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.models import transformer as tfm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -394,7 +394,7 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
 def test_bench_workload_micro_batch_and_its_override():
     """W2's update runs in micro-batches of 16 of its 128 rows (one optimizer update); the
     override (`--micro_batch`) replaces it, 0 meaning all rows at once; W1 has none."""
-    from jrl import benchmark
+    from jrl.run import benchmark
 
     w2 = benchmark.workload_config("W2")
     assert w2.data.train_batch_size * w2.rollout.n == 128

@@ -12,7 +12,7 @@ import pytest
 
 from jrl import config as config_lib
 from jrl import rollout
-from jrl import workdir as workdir_lib
+from jrl.run import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
 
@@ -197,7 +197,7 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     every adapter matrix moves, the optimizer holds moments of the adapters only, and the score
     phase's reference log-probs are the base model's."""
     from jrl import step as step_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
@@ -239,7 +239,7 @@ def test_dropout_changes_the_update_only():
     """lora.dropout > 0: the rollout and the scoring forwards trace exactly as without dropout;
     the update's losses and gradients change, and with the update's key (the step's)."""
     from jrl import step as step_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
@@ -305,9 +305,10 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
 
     import safetensors.numpy
 
-    from jrl import checkpoint as checkpoint_lib
-    from jrl import exporter as export_lib
-    from jrl import models, trainer
+    from jrl.run import checkpoint as checkpoint_lib
+    from jrl.run import exporter as export_lib
+    from jrl import models
+    from jrl.run import trainer
     from jrl import tokenizer as tokenizer_lib
 
     hf_dir = str(tmp_path / "base")

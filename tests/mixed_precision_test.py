@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.models import transformer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import sharding, trainer
+from jrl import sharding
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 

@@ -130,7 +130,8 @@ _PROBE = textwrap.dedent(
     import jax
     sys.path.insert(0, sys.argv[1])
     from configs import grpo_math
-    from jrl import sharding, step, trainer
+    from jrl import sharding, step
+    from jrl.run import trainer
     from jrl.models import transformer
 
     def model_cfg(cfg):  # the presets' model.vocab_size is their checkpoint's

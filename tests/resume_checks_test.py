@@ -8,8 +8,8 @@ import json
 import os
 
 from cli_helpers import TINY, cache_env, last_line, run
-from jrl import console, exporter as export
-from jrl import workdir as workdir_lib
+from jrl.run import console, exporter as export
+from jrl.run import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import sys  # noqa: E402

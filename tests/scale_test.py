@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import trainer
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jrl import sharding, trainer
+from jrl import sharding
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import grpo_math, ppo_math  # noqa: E402

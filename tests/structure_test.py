@@ -17,11 +17,16 @@ RUNTIME = {
     "jrl.sharding",
     "jrl.step",
     "jrl.rollout",
-    "jrl.trainer",
-    "jrl.checkpoint",
-    "jrl.workdir",
+    "jrl.run.trainer",
+    "jrl.run.checkpoint",
+    "jrl.run.workdir",
 }
-RUNTIME |= ENTRYPOINTS | {"jrl.cli", "jrl.evaluator", "jrl.exporter", "jrl.benchmark"}
+RUNTIME |= ENTRYPOINTS | {
+    "jrl.run.cli",
+    "jrl.run.evaluator",
+    "jrl.run.exporter",
+    "jrl.run.benchmark",
+}
 
 
 def modules() -> dict[str, str]:
@@ -120,7 +125,8 @@ def test_partitioning_imports_no_jrl_module_and_sharding_no_model():
 
 def test_importing_a_tool_registers_no_trainer_flags():
     code = (
-        "import jrl.eval, jrl.export, jrl.evaluator, jrl.exporter, jrl.benchmark, jrl.trainer\n"
+        "import jrl.eval, jrl.export\n"
+        "from jrl.run import benchmark, evaluator, exporter, trainer\n"
         "from absl import flags\n"
         "print(sorted(flags.FLAGS))"
     )

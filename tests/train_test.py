@@ -14,7 +14,7 @@ from jrl import models
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import transformer
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -195,7 +195,7 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
         for name in VERL_METRICS:
             assert math.isfinite(r[name]), (name, r[name])
     # Round trip: the trained policy exported as an HF checkpoint reloads with identical logits.
-    from jrl import exporter as export_lib
+    from jrl.run import exporter as export_lib
 
     out = tmp_path / "exported"
     assert export_lib.export(str(workdir), str(out)) == 3

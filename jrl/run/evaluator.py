@@ -13,10 +13,11 @@ from etils import epath
 from tensorboardX import SummaryWriter
 
 from jrl import config as config_lib
-from jrl import exporter, rollout, trainer
-from jrl import samples as samples_lib
+from jrl import rollout
+from jrl.run import exporter, trainer
+from jrl.run import samples as samples_lib
 from jrl import step as step_lib
-from jrl.logging import to_python
+from jrl.run.metric_writers import to_python
 
 CORRECT_SCORE = 1.0  # a sample counts as correct for pass@k when its score reaches this
 

@@ -1,5 +1,5 @@
 """Export of a run's checkpoint as a Hugging Face checkpoint (`export`), and the restore of a
-run's config and policy that jrl.evaluator shares. The command line is jrl/export.py."""
+run's config and policy that jrl.run.evaluator shares. The command line is jrl/export.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from jrl import checkpoint as checkpoint_lib
+from jrl.run import checkpoint as checkpoint_lib
 from jrl import config as config_lib
-from jrl import models, trainer
+from jrl import models
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
@@ -117,7 +118,7 @@ def policy_model(cfg) -> tuple:
 def abstract_state(
     cfg, model_cfg: transformer.ModelConfig, with_base: bool = False
 ) -> step_lib.TrainState:
-    """The run's train state as shapes (as jrl.trainer.run makes it), without the reference
+    """The run's train state as shapes (as jrl.run.trainer.run makes it), without the reference
     params (they are not needed to export or evaluate the policy; `with_base`: with them, for
     LoRA's frozen base)."""
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))

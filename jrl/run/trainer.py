@@ -1,6 +1,7 @@
 """The trainer as a library: `run(cfg, workdir)` trains (or resumes) one run; `build`,
 `model_config`, `initial_params`, `jit_step` and `sampling_ids` are the pieces the other tools
-(jrl.evaluator, jrl.exporter, jrl.benchmark) and the tests share. The command line is jrl/train.py.
+(jrl.run.evaluator, jrl.run.exporter, jrl.run.benchmark) and the tests share. The command line
+is jrl/train.py.
 
 Read `run` top to bottom: validate the config, build the tokenizer, task, reward and model,
 resume from the workdir's newest valid checkpoint or warm up (optional supervised steps), then
@@ -23,14 +24,14 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import console
-from jrl import samples as samples_lib
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import console
+from jrl.run import samples as samples_lib
 from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
-from jrl import logging as metric_files
-from jrl import workdir as workdir_lib
-from jrl.logging import MetricWriter, ProgressBar, to_python
+from jrl.run import metric_writers as metric_files
+from jrl.run import workdir as workdir_lib
+from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
