@@ -305,11 +305,11 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
 
     import safetensors.numpy
 
+    from jrl import models
+    from jrl import tokenizer as tokenizer_lib
     from jrl.run import checkpoint as checkpoint_lib
     from jrl.run import exporter as export_lib
-    from jrl import models
     from jrl.run import trainer
-    from jrl import tokenizer as tokenizer_lib
 
     hf_dir = str(tmp_path / "base")
     base_cfg = dataclasses.replace(CFG, vocab_size=96, tie_word_embeddings=True)
@@ -337,9 +337,9 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     ]
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/thr"))}
     assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
-    _, policy_cfg = export_lib.policy_model(cfg)
-    base, want, _ = export_lib.restore_lora(first, cfg, policy_cfg)
-    _, got, _ = export_lib.restore_lora(second, cfg, policy_cfg)
+    _, policy_cfg = trainer.policy_model(cfg)
+    base, want, _ = checkpoint_lib.restore_lora(first, cfg, policy_cfg)
+    _, got, _ = checkpoint_lib.restore_lora(second, cfg, policy_cfg)
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
     changed = str(tmp_path / "changed")

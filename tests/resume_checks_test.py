@@ -8,7 +8,8 @@ import json
 import os
 
 from cli_helpers import TINY, cache_env, last_line, run
-from jrl.run import console, exporter as export
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import console
 from jrl.run import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
     prints = {"task.train_files[0]": {"path": "/d/a.jsonl", "size": 10, "sha256_head_tail": "x"}}
     saved = json.loads(workdir_lib.config_json(cfg, prints))
     assert workdir_lib.changes(saved, cfg, prints) == []
-    assert export.config_from_json(saved).actor.lr == cfg.actor.lr  # still loads as a config
+    assert checkpoint_lib.config_from_json(saved).actor.lr == cfg.actor.lr  # loads as a config
     cfg.actor.lr = 1e-3
     cfg.rollout.n = 8
     cfg.total_steps = 100  # safe

@@ -195,12 +195,13 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
         for name in VERL_METRICS:
             assert math.isfinite(r[name]), (name, r[name])
     # Round trip: the trained policy exported as an HF checkpoint reloads with identical logits.
+    from jrl.run import checkpoint as checkpoint_lib
     from jrl.run import exporter as export_lib
 
     out = tmp_path / "exported"
     assert export_lib.export(str(workdir), str(out)) == 3
-    tok, policy_cfg = export_lib.policy_model(cfg)
-    params, _ = export_lib.restore_params(str(workdir), cfg, policy_cfg)
+    tok, policy_cfg = trainer.policy_model(cfg)
+    params, _ = checkpoint_lib.restore_params(str(workdir), cfg, policy_cfg)
     reloaded_cfg, reloaded = models.load_pretrained(str(out))
     ids = jax.numpy.array([[1, 20, 21, 22, 30], [0, 0, 1, 25, 26]])
     mask = (ids > 0).astype("int32")
