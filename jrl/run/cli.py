@@ -6,7 +6,6 @@ Only entrypoints import this module (it registers absl flags); nothing imports a
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from absl import flags
@@ -37,11 +36,7 @@ def config_filename() -> str:
 def _load_config_file(spec: str):
     """The ConfigDict of `--config=path.py[:arg]` (to explain a bad override)."""
     path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_jrl_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # config_lib.config_file_error finds its PRESETS
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    return config_lib.load_file(path).get_config(arg or None)
 
 
 def parse_flags(argv):
