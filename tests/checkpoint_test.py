@@ -2,7 +2,6 @@
 
 import logging
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jrl.run import checkpoint as ckpt_lib
+from conftest import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 # A failed orbax read leaves an asyncio callback that complains once its event loop has closed,
 # whichever test the garbage collector happens to run in; it is harmless.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

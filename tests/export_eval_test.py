@@ -22,10 +22,7 @@ from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import evaluator as eval_lib
 from jrl.run import exporter as export_lib
 from jrl.run import trainer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -33,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(workdir, eval batch, the run's metrics.jsonl rows) of the tiny config trained 2 steps."""
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.total_steps = 2
     cfg.checkpoint.every_steps = 1  # checkpoints 1 and 2
     cfg.task.num_digits = 1  # learnable in a short warm-up: accuracy strictly between 0 and 1

@@ -15,8 +15,9 @@ from jrl import rollout
 from jrl.run import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
+from conftest import tiny_config, tiny_model
 
-CFG = tfm.ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=48, num_heads=4)
+CFG = tiny_model(23)
 CFG = dataclasses.replace(CFG, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=False)
 LORA = ml_collections.ConfigDict(
     dict(rank=4, alpha=8.0, target_modules=",".join(lora.TARGETS), dropout=0.0)
@@ -179,13 +180,9 @@ def test_accumulate_grads_gives_each_micro_batch_its_own_key():
 
 
 def _grpo_lora_cfg():
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from configs import grpo_math
 
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.lora.rank = 4
     cfg.actor.use_kl_loss = True
     cfg.actor.entropy_coeff = 0.01  # a gradient even when every reward is equal

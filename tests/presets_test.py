@@ -12,10 +12,8 @@ import textwrap
 import pytest
 
 from jrl import config as config_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from conftest import REPO
+from configs import grpo_math
 
 # Published figures, independent of the code under test.
 # Qwen2.5 model cards (Hugging Face, Qwen/Qwen2.5-*-Instruct): (parameters, of which

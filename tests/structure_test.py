@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 PACKAGE = os.path.join(REPO, "jrl")
 ENTRYPOINTS = {"jrl.train", "jrl.eval", "jrl.export", "jrl.bench"}
 BASE = {"jrl.partitioning", "jrl.registry"}
