@@ -4,8 +4,8 @@ Run:
   python -m jrl.train --config=configs/dapo_math.py --workdir=/tmp/jrl/dapo_math
   python -m jrl.train --config=configs/dapo_math.py:tiny   # seconds-long smoke run
 
-Starts from jrl.config.math_base (GRPO on math: same model, warm-up, batch sizes); fields in
-jrl/config.py.
+Starts from configs/common.py `math_base` (GRPO on math: same model, warm-up, batch sizes);
+fields in jrl/config.py.
 Dynamic sampling runs inside the jitted step: each step the host hands over
 `max_num_gen_batches` x `train_batch_size` prompts and the step keeps drawing generation rounds
 from them until `train_batch_size` groups whose rewards differ are found.
@@ -13,11 +13,14 @@ from them until `train_batch_size` groups whose rewards differ are found.
 
 from jrl import config as config_lib
 
-PRESETS = config_lib.PRESETS  # the presets after ':' (jrl/config.py)
+# The bases and presets the files here share, read by path (from any working directory).
+common = config_lib.load_file("common.py", next_to=__file__)
+
+PRESETS = common.PRESETS  # the presets after ':' (configs/common.py)
 
 
 def get_config(arg: str | None = None):
-    c = config_lib.math_base(arg, "configs/dapo_math.py")
+    c = common.math_base(arg, "configs/dapo_math.py")
     c.algorithm.adv_estimator = "grpo"  # group-relative advantages
     c.actor.clip_ratio_low = 0.2  # decoupled clip: lower bound 1 - 0.2 ...
     c.actor.clip_ratio_high = 0.28  # ... upper bound 1 + 0.28 (clip-higher)

@@ -4,17 +4,20 @@ Run:
   python -m jrl.train --config=configs/group_ppo_math.py --workdir=/tmp/jrl/group_ppo_math
   python -m jrl.train --config=configs/group_ppo_math.py:tiny   # seconds-long smoke run
 
-Starts from jrl.config.ppo_math_base (PPO on math: same model, warm-up, critic); fields in
-jrl/config.py.
+Starts from configs/common.py `ppo_math_base` (PPO on math: same model, warm-up, critic); fields
+in jrl/config.py.
 """
 
 from jrl import config as config_lib
 
-PRESETS = config_lib.PRESETS  # the presets after ':' (jrl/config.py)
+# The bases and presets the files here share, read by path (from any working directory).
+common = config_lib.load_file("common.py", next_to=__file__)
+
+PRESETS = common.PRESETS  # the presets after ':' (configs/common.py)
 
 
 def get_config(arg: str | None = None):
-    c = config_lib.ppo_math_base(arg, "configs/group_ppo_math.py")
+    c = common.ppo_math_base(arg, "configs/group_ppo_math.py")
     c.algorithm.adv_estimator = "group_ppo"  # one advantage per segment, critic at its start
     g = c.algorithm.group_params
     g.group_variance_threshold = 1.0  # initial threshold tau on rho = r_grpo / r_ppo

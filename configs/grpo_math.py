@@ -34,13 +34,16 @@ the character tokenizer:
   python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-7b,mesh=v5p-64 \
     --config.tokenizer=char
 
-Fields are documented in jrl/config.py; here only what differs from its defaults.
+Fields are documented in jrl/config.py; the base and the presets are in configs/common.py.
 """
 
 from jrl import config as config_lib
 
-PRESETS = config_lib.PRESETS  # the presets after ':' (jrl/config.py, "math configs")
+# The bases and presets the files here share, read by path (from any working directory).
+common = config_lib.load_file("common.py", next_to=__file__)
+
+PRESETS = common.PRESETS  # the presets after ':' (configs/common.py)
 
 
 def get_config(arg: str | None = None):
-    return config_lib.math_base(arg)  # GRPO on math: jrl/config.py `math_base`
+    return common.math_base(arg)  # GRPO on math: configs/common.py `math_base`

@@ -32,7 +32,7 @@ import json
 
 from absl import app, flags
 
-from jrl import benchmark, cli
+from jrl.run import benchmark, cli
 from jrl import config as config_lib
 
 _CONFIG = cli.define_config(" With --memory: the config whose step is compiled.")

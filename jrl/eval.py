@@ -32,9 +32,9 @@ import json
 
 from absl import app, flags
 
-from jrl import cli
-from jrl import samples as samples_lib
-from jrl.evaluator import Evaluator, check_sampling
+from jrl.run import cli
+from jrl.run import samples as samples_lib
+from jrl.run.evaluator import Evaluator, check_sampling
 
 FLAGS = flags.FLAGS
 

@@ -18,7 +18,7 @@ HF_DIR and moved into place once complete.
 Exit status: 0 done; 2 bad arguments (a workdir without checkpoints, a step that is not saved, a
 non-empty HF_DIR without --overwrite, ...), with a one-line message on stderr.
 
-The export itself is `jrl.exporter.export`.
+The export itself is `jrl.run.exporter.export`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import os
 
 from absl import app, flags
 
-from jrl import cli
-from jrl.exporter import export
+from jrl.run import cli
+from jrl.run.exporter import export
 
 FLAGS = flags.FLAGS
 

@@ -1,6 +1,6 @@
 """The trainer: python -m jrl.train --config=configs/grpo_math.py [--config.a.b=v] [--workdir=DIR]
 
-Flags and exit codes only; the training itself is `jrl.trainer.run`.
+Flags and exit codes only; the training itself is `jrl.run.trainer.run`.
 
 Multi-host (TPU pods, multi-node GPU): every process runs the same command with `--distributed`
 (JAX reads coordinator, process count and id from the environment: Cloud TPU, SLURM, Open MPI,
@@ -12,7 +12,7 @@ TPU preemption notice: the step finished and a checkpoint was written; rerun wit
 --workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
 committed checkpoint); 3 stopped by the NaN guard (nan_guard.max_consecutive non-finite steps in
 a row, or one with the guard off; the message names the quantity); 2 also when another live
-run holds --workdir or a resume finds other config fields or input files (jrl/workdir.py); 4 a
+run holds --workdir or a resume finds other config fields or input files (jrl/run/workdir.py); 4 a
 write to the workdir failed (a full disk: the message names the path; rerun to resume).
 """
 
@@ -27,10 +27,10 @@ import time
 from absl import app, flags
 import jax
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import cli, console, trainer
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import cli, console, trainer
 from jrl import config as config_lib
-from jrl import workdir as workdir_lib
+from jrl.run import workdir as workdir_lib
 
 _CONFIG = cli.define_config()
 _WORKDIR = cli.define_workdir(
@@ -48,7 +48,7 @@ _ALLOW_CHANGES = flags.DEFINE_bool(
     "allow_changes",
     False,
     "Resume even if config fields that change the maths or the input files differ from the "
-    "run's config.json (jrl/workdir.py lists the fields that may always change).",
+    "run's config.json (jrl/run/workdir.py lists the fields that may always change).",
 )
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",

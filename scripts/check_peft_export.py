@@ -35,11 +35,13 @@ def jrl_stage(out: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from configs import grpo_math
-    from jrl import exporter as export_lib
-    from jrl import models, trainer
+    from jrl import models
     from jrl import tokenizer as tokenizer_lib
     from jrl.models import lora
     from jrl.models import transformer as tfm
+    from jrl.run import checkpoint as checkpoint_lib
+    from jrl.run import exporter as export_lib
+    from jrl.run import trainer
 
     base_dir = os.path.join(out, "base")
     model_cfg = tfm.ModelConfig(
@@ -58,8 +60,8 @@ def jrl_stage(out: str) -> None:
     trainer.run(cfg, run_dir)
     export_lib.export(run_dir, os.path.join(out, "merged"))
     export_lib.export(run_dir, os.path.join(out, "adapter"), adapter_only=True)
-    _, policy_cfg = export_lib.policy_model(cfg)
-    base, trained, _ = export_lib.restore_lora(run_dir, cfg, policy_cfg)
+    _, policy_cfg = trainer.policy_model(cfg)
+    base, trained, _ = checkpoint_lib.restore_lora(run_dir, cfg, policy_cfg)
     # Large random adapters (B is no longer near zero) in the same format.
     leaves, tree = jax.tree.flatten(trained["lora"])
     keys = jax.random.split(jax.random.key(1), len(leaves))

@@ -26,7 +26,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jrl import benchmark, rollout
+from jrl import rollout
+from jrl.run import benchmark
 from jrl import step as step_lib
 
 

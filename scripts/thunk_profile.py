@@ -22,7 +22,7 @@ import tempfile
 
 import jax
 
-from jrl import benchmark
+from jrl.run import benchmark
 from jrl import step as step_lib
 
 

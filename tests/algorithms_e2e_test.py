@@ -2,8 +2,6 @@
 metrics; and the ppo_math / dapo_math / group_ppo_math configs."""
 
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +9,10 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.algos import advantages, losses
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import dapo_math, group_ppo_math, grpo_math, ppo_math  # noqa: E402
+from configs import dapo_math, group_ppo_math, ppo_math
+from conftest import tiny_config
 
 
 def divisible_by_3(batch, response_ids, response_mask, *, eos_id):
@@ -89,7 +86,7 @@ def _rollout_correction(cfg, kind):
 
 @pytest.mark.parametrize("estimator, loss, correction", PAIRED, ids=[p[0] for p in PAIRED])
 def test_verl_names_in_the_fused_step(estimator, loss, correction):
-    cfg = _small(grpo_math.get_config("tiny"))
+    cfg = _small(tiny_config())
     cfg.algorithm.adv_estimator, cfg.actor.policy_loss = estimator, loss
     cfg.actor.dro_beta = 0.1
     _rollout_correction(cfg, correction)
@@ -106,7 +103,7 @@ def test_verl_names_in_the_fused_step(estimator, loss, correction):
 
 @pytest.mark.parametrize("estimator", sorted(set(advantages.names()) - PAIRED_NAMES))
 def test_each_estimator_in_the_fused_step(estimator):
-    cfg = _small(grpo_math.get_config("tiny"))
+    cfg = _small(tiny_config())
     cfg.algorithm.adv_estimator = estimator
     metrics = _run_three_steps(cfg)
     if estimator in ("gae", "group_ppo"):
@@ -119,7 +116,7 @@ def test_each_estimator_in_the_fused_step(estimator):
     "loss", sorted(set(losses.policy_loss_names()) - PAIRED_NAMES - {"vanilla"})
 )
 def test_each_policy_loss_in_the_fused_step(loss):
-    cfg = _small(grpo_math.get_config("tiny"))
+    cfg = _small(tiny_config())
     cfg.actor.policy_loss = loss
     _run_three_steps(cfg)
 

@@ -41,7 +41,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, tiny_config
 
 # The tiny config on a GSM8K-style file: no warm-up (it needs the arithmetic task), 2 eval rows
 # held out, and a short template so that prompt lengths are easy to count by hand.
@@ -332,9 +332,7 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
     """A gsm8k run whose prompts are partly over data.max_prompt_length: the step-0 metrics row
     counts the dropped or truncated ones per split. The run stops right after that row (the
     counts come before any RL step, so no step needs compiling)."""
-    sys.path.insert(0, REPO)
-    from configs import grpo_math
-    from jrl import trainer
+    from jrl.run import trainer
 
     def question(a, b):
         return {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
@@ -347,7 +345,7 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
     for split, pairs in (("train", train_pairs), ("eval", eval_pairs)):
         lengths = [1 + len(question(a, b)["question"]) + len(" Answer:") for a, b in pairs]
         assert sum(n > 27 for n in lengths) == too_long[split]
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.task.name, cfg.task.reward, cfg.warmup.sft_steps = "gsm8k", "gsm8k", 0
     cfg.task.train_files = write_jsonl(
         tmp_path / "train.jsonl", [question(a, b) for a, b in train_pairs]
@@ -378,15 +376,13 @@ def test_long_prompts_are_counted_in_the_step_0_row(mode, tmp_path, monkeypatch)
 
 
 def test_data_file_without_read_permission(data, monkeypatch):
-    sys.path.insert(0, REPO)
-    from configs import grpo_math
     from jrl import config as config_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     path = os.path.join(data, "train.jsonl")
     access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: p != path and access(p, mode))
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.task.name, cfg.task.reward, cfg.warmup.sft_steps = "gsm8k", "gsm8k", 0
     cfg.task.train_files, cfg.task.eval_size = path, 2
     with pytest.raises(config_lib.ConfigError) as e:
@@ -676,7 +672,8 @@ def test_turning_a_feature_off_drops_the_files_settings_of_it():
     script = (
         "import json, sys\n"
         "from absl import flags\n"
-        "from jrl import cli, train, config\n"
+        "from jrl import train, config\n"
+        "from jrl.run import cli\n"
         f"sys.argv = {argv!r}\n"
         "cli.parse_flags(sys.argv)\n"
         "c = flags.FLAGS.config\n"

@@ -2,7 +2,6 @@
 
 import logging
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -19,9 +18,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jrl import checkpoint as ckpt_lib
+from jrl.run import checkpoint as ckpt_lib
+from conftest import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 # A failed orbax read leaves an asyncio callback that complains once its event loop has closed,
 # whichever test the garbage collector happens to run in; it is harmless.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -310,7 +309,7 @@ _LOOP = """
 import os, signal, sys, time
 import jax, jax.numpy as jnp
 sys.path.insert(0, {repo!r})
-from jrl import checkpoint as ckpt_lib
+from jrl.run import checkpoint as ckpt_lib
 
 ck = ckpt_lib.Checkpointer({workdir!r}, every_steps=1000, max_to_keep=3)
 state = {{"w": jnp.zeros((256, 256)), "step": jnp.int32(0), "key": jax.random.key(0)}}

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 # The tiny config without the supervised warm-up: each start is a few seconds.
 TINY = ["--config=configs/grpo_math.py:tiny", "--config.warmup.sft_steps=0"]
 

@@ -16,14 +16,13 @@ import optax
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import console, data, samples, trainer
+from jrl import data
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import console, samples, trainer
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from conftest import REPO
+from configs import grpo_math
 
 BAR = re.compile(r"\|\s*\d+/\d+ \[")  # a tqdm progress-bar frame: "| 2/3 [00:05<..."
 

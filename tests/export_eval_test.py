@@ -17,14 +17,12 @@ import pytest
 from flax import traverse_util
 
 import jrl.models
-from jrl import evaluator as eval_lib
-from jrl import exporter as export_lib
 from jrl import tokenizer as tokenizer_lib
-from jrl import trainer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import evaluator as eval_lib
+from jrl.run import exporter as export_lib
+from jrl.run import trainer
+from conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -32,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(workdir, eval batch, the run's metrics.jsonl rows) of the tiny config trained 2 steps."""
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.total_steps = 2
     cfg.checkpoint.every_steps = 1  # checkpoints 1 and 2
     cfg.task.num_digits = 1  # learnable in a short warm-up: accuracy strictly between 0 and 1
@@ -56,9 +54,9 @@ def test_export_round_trip_logits(run, tmp_path):
     out = tmp_path / "hf"
     assert export_lib.export(workdir, out) == 2  # default: the newest checkpoint
 
-    cfg = export_lib.load_config(workdir)
-    _, model_cfg = export_lib.policy_model(cfg)
-    params, step = export_lib.restore_params(workdir, cfg, model_cfg)
+    cfg = checkpoint_lib.load_config(workdir)
+    _, model_cfg = trainer.policy_model(cfg)
+    params, step = checkpoint_lib.restore_params(workdir, cfg, model_cfg)
     assert step == 2
     hf_cfg, hf_params = jrl.models.load_pretrained(out)
     want, got = _flat(params), _flat(hf_params)
@@ -99,9 +97,9 @@ def test_export_round_trip_logits(run, tmp_path):
 
 def test_export_errors(run, tmp_path):
     workdir, _, _ = run
-    with pytest.raises(export_lib.ExportError, match=r"has no checkpoints"):
+    with pytest.raises(checkpoint_lib.CheckpointError, match=r"has no checkpoints"):
         export_lib.export(str(tmp_path / "empty"), tmp_path / "a")
-    with pytest.raises(export_lib.ExportError, match=r"step 7 is not .*\(available: 1, 2\)"):
+    with pytest.raises(checkpoint_lib.CheckpointError, match=r"step 7 is not .*\(available: 1, 2"):
         export_lib.export(workdir, tmp_path / "b", step=7)
     out = tmp_path / "taken"
     out.mkdir()

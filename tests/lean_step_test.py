@@ -18,24 +18,11 @@ import pytest
 from jrl import config as config_lib
 from jrl import sharding
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.models import transformer as tfm
+from conftest import REPO, tiny_config, tiny_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
-
-CFG = tfm.ModelConfig(
-    vocab_size=37,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=48,
-    qkv_bias=True,
-    tie_word_embeddings=False,
-    final_logit_softcapping=7.0,
-)
+CFG = tiny_model(37, qkv_bias=True, tie_word_embeddings=False, final_logit_softcapping=7.0)
 
 
 def _batch(seed=0, b=3, p=5, r=7, vocab=37):
@@ -159,14 +146,6 @@ def test_blockwise_attention_in_the_model_gives_the_same_log_probs_and_gradients
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
 
 
-def _tiny(**changes):
-    cfg = grpo_math.get_config("tiny")
-    for k, v in changes.items():
-        section, field = k.split(".")
-        cfg[section][field] = v
-    return cfg
-
-
 def _phases(cfg, mesh=None):
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     phases = step_lib.make_phases(
@@ -225,8 +204,8 @@ def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
     """One optimizer update per mini-batch of 8 rows, in 4 micro-batches of 2 or in one: the same
     parameters, critic and metrics. Scoring in micro-batches gives the same experience."""
     changes = {**UPDATE_CASES[case], "actor.ppo_mini_batch_size": 2, "data.train_batch_size": 4}
-    plain_cfg = _tiny(**changes)
-    micro_cfg = _tiny(
+    plain_cfg = tiny_config(**changes)
+    micro_cfg = tiny_config(
         **changes,
         **{
             "actor.ppo_micro_batch_size_per_device": 2,
@@ -260,7 +239,7 @@ def test_fused_step_with_everything_on_equals_everything_off():
         "rollout.log_prob_micro_batch_size_per_device": 4,
     }
     results = []
-    for cfg in (_tiny(), _tiny(**lean)):
+    for cfg in (tiny_config(), tiny_config(**lean)):
         tok, task, reward_fn, model_cfg = trainer.build(cfg)
         step = jax.jit(
             step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
@@ -282,16 +261,17 @@ def test_fused_step_with_everything_on_equals_everything_off():
 
 
 def test_micro_batch_sizes_must_divide_each_devices_rows():
-    cfg = _tiny(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
+    cfg = tiny_config(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
     with pytest.raises(
         config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3"
     ) as e:
         step_lib.micro_batch_counts(cfg)
     assert "\n" not in str(e.value)
     mesh = sharding.make_mesh(("data", "fsdp", "tensor"), (4, 1, 1), jax.devices()[:4])
-    ok = _tiny(**{"actor.ppo_micro_batch_size_per_device": 1})
+    ok = tiny_config(**{"actor.ppo_micro_batch_size_per_device": 1})
     assert step_lib.micro_batch_counts(ok, mesh) == {"log_prob": 1, "actor": 2, "critic": 1}
-    bad = _tiny(**{"rollout.log_prob_micro_batch_size_per_device": 3})  # 16 rows, 4 per device
+    # 16 rows, 4 per device
+    bad = tiny_config(**{"rollout.log_prob_micro_batch_size_per_device": 3})
     with pytest.raises(config_lib.ConfigError, match="4 rows each device holds"):
         step_lib.micro_batch_counts(bad, mesh)
 
@@ -359,10 +339,10 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     # ratio) are not zero.
     parity = lambda batch, ids, mask, eos_id: (jnp.sum(ids, -1) % 3).astype(jnp.float32)
     monkeypatch.setitem(rewards.REWARDS, "parity", parity)
-    cfg = _tiny(**{"actor.ppo_mini_batch_size": 4, "actor.entropy_coeff": 0.01})
+    cfg = tiny_config(**{"actor.ppo_mini_batch_size": 4, "actor.entropy_coeff": 0.01})
     cfg.task.reward = "parity"
     assert step_lib.on_policy_update(cfg)
-    assert not step_lib.on_policy_update(_tiny())  # two mini-batches per step
+    assert not step_lib.on_policy_update(tiny_config())  # two mini-batches per step
     results = []
     for shortcut in (True, False):
         monkeypatch.setattr(step_lib, "on_policy_update", lambda c, s=shortcut: s)
@@ -394,7 +374,7 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
 def test_bench_workload_micro_batch_and_its_override():
     """W2's update runs in micro-batches of 16 of its 128 rows (one optimizer update); the
     override (`--micro_batch`) replaces it, 0 meaning all rows at once; W1 has none."""
-    from jrl import benchmark
+    from jrl.run import benchmark
 
     w2 = benchmark.workload_config("W2")
     assert w2.data.train_batch_size * w2.rollout.n == 128

@@ -12,11 +12,12 @@ import pytest
 
 from jrl import config as config_lib
 from jrl import rollout
-from jrl import workdir as workdir_lib
+from jrl.run import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
+from conftest import tiny_config, tiny_model
 
-CFG = tfm.ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=48, num_heads=4)
+CFG = tiny_model(23)
 CFG = dataclasses.replace(CFG, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=False)
 LORA = ml_collections.ConfigDict(
     dict(rank=4, alpha=8.0, target_modules=",".join(lora.TARGETS), dropout=0.0)
@@ -179,13 +180,9 @@ def test_accumulate_grads_gives_each_micro_batch_its_own_key():
 
 
 def _grpo_lora_cfg():
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from configs import grpo_math
 
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.lora.rank = 4
     cfg.actor.use_kl_loss = True
     cfg.actor.entropy_coeff = 0.01  # a gradient even when every reward is equal
@@ -197,7 +194,7 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     every adapter matrix moves, the optimizer holds moments of the adapters only, and the score
     phase's reference log-probs are the base model's."""
     from jrl import step as step_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
@@ -239,7 +236,7 @@ def test_dropout_changes_the_update_only():
     """lora.dropout > 0: the rollout and the scoring forwards trace exactly as without dropout;
     the update's losses and gradients change, and with the update's key (the step's)."""
     from jrl import step as step_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
@@ -285,7 +282,7 @@ def test_dropout_keeps_the_ratio_and_clipping_on_in_a_one_epoch_update():
     dropout the one-epoch shortcut stays (old = the update's own forward). (The shortcut took the
     dropped-out forward's own log-probs as the old ones: ratio 1, ppo_kl and clipfrac 0.)"""
     from jrl import step as step_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
     cfg.actor.use_kl_loss = False
@@ -337,10 +334,11 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
 
     import safetensors.numpy
 
-    from jrl import checkpoint as checkpoint_lib
-    from jrl import exporter as export_lib
-    from jrl import models, trainer
+    from jrl import models
     from jrl import tokenizer as tokenizer_lib
+    from jrl.run import checkpoint as checkpoint_lib
+    from jrl.run import exporter as export_lib
+    from jrl.run import trainer
 
     hf_dir = str(tmp_path / "base")
     base_cfg = dataclasses.replace(CFG, vocab_size=96, tie_word_embeddings=True)
@@ -368,9 +366,9 @@ def test_lora_run_on_hf_checkpoint_resumes_exactly_and_exports(tmp_path, compile
     ]
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/thr"))}
     assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
-    _, policy_cfg = export_lib.policy_model(cfg)
-    base, want, _ = export_lib.restore_lora(first, cfg, policy_cfg)
-    _, got, _ = export_lib.restore_lora(second, cfg, policy_cfg)
+    _, policy_cfg = trainer.policy_model(cfg)
+    base, want, _ = checkpoint_lib.restore_lora(first, cfg, policy_cfg)
+    _, got, _ = checkpoint_lib.restore_lora(second, cfg, policy_cfg)
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
     changed = str(tmp_path / "changed")

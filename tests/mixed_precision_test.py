@@ -4,23 +4,17 @@ matmuls run in bfloat16."""
 
 import dataclasses
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jrl import step as step_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.models import transformer
+from conftest import tiny_config, tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import grpo_math  # noqa: E402
-
-F32 = transformer.ModelConfig(
-    vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
-)
+F32 = tiny_model(32, intermediate_size=64)
 BF16 = dataclasses.replace(F32, dtype="bfloat16")
 
 
@@ -48,7 +42,7 @@ def test_bfloat16_forward_is_close_to_float32_and_grads_are_float32():
 
 
 def test_fused_step_in_bfloat16_keeps_float32_state():
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.warmup.sft_steps = 0
     cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
     tok, task, reward_fn, model_cfg = trainer.build(cfg)

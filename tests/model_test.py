@@ -9,19 +9,9 @@ import numpy as np
 import pytest
 
 from jrl.models import transformer as tfm
+from conftest import tiny_model
 
-CFG = tfm.ModelConfig(
-    vocab_size=23,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=48,
-    rope_theta=500.0,
-    qkv_bias=True,
-    tie_word_embeddings=False,
-    value_head=True,
-)
+CFG = tiny_model(23, rope_theta=500.0, qkv_bias=True, tie_word_embeddings=False, value_head=True)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +44,9 @@ def test_left_padding_does_not_change_logits(params):
 
 
 # Gemma-style: every family option on, layer 0 sliding (window 3) with its own rope theta.
-GEMMA_CFG = tfm.ModelConfig(
-    vocab_size=23,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
+GEMMA_CFG = tiny_model(
+    23,
     head_dim=16,
-    intermediate_size=48,
     hidden_act="gelu_pytorch_tanh",
     qk_norm=True,
     norm_unit_offset=True,

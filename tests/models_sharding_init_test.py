@@ -2,25 +2,18 @@
 can reuse the params' buffers, so the caller's params, the state's policy and its reference copy
 are not all alive at once (8 CPU devices)."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import sharding, trainer
+from jrl import sharding
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
+from conftest import tiny_config, tiny_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
-
-CFG = transformer.ModelConfig(
-    vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32
-)
+CFG = tiny_model(32, hidden_size=16, num_layers=1, intermediate_size=32)
 
 
 def buffers(x) -> set[int]:
@@ -61,7 +54,7 @@ def test_donated_params_are_consumed_and_their_buffers_reused(donate):
 
 
 def test_train_state_from_donated_params():
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
     _, _, _, model_cfg = trainer.build(cfg)

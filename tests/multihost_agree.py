@@ -1,6 +1,6 @@
 """One process of tests/multihost_test.py: `python tests/multihost_agree.py PORT PROCESS_ID`.
 Each process holds its own values of a tree (as after a warm-up run on every host) and prints
-what `jrl.trainer.same_on_every_host` makes of them, as JSON."""
+what `jrl.run.trainer.same_on_every_host` makes of them, as JSON."""
 
 import json
 import sys
@@ -11,7 +11,7 @@ import numpy as np
 port, process_id = sys.argv[1], int(sys.argv[2])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
 
-from jrl import trainer  # noqa: E402
+from jrl.run import trainer  # noqa: E402
 
 mine = {
     "embed": np.full((2, 3), process_id + 1.0, np.float32),

@@ -2,8 +2,6 @@
 a row stop the run with a message naming the quantity."""
 
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +10,8 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
-from jrl import trainer
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import grpo_math  # noqa: E402
+from jrl.run import trainer
+from conftest import tiny_config
 
 
 def nan_reward(batch, response_ids, response_mask, *, eos_id):
@@ -25,7 +21,7 @@ def nan_reward(batch, response_ids, response_mask, *, eos_id):
 @pytest.fixture
 def cfg(monkeypatch):
     monkeypatch.setitem(rewards.REWARDS, "nan_reward", nan_reward)
-    c = grpo_math.get_config("tiny")
+    c = tiny_config()
     c.task.reward = "nan_reward"
     c.warmup.sft_steps = 0
     c.total_steps = 6
@@ -71,7 +67,7 @@ def test_a_non_finite_loss_applies_no_update(monkeypatch):
         return aggregate(log_prob * jnp.nan), {}
 
     monkeypatch.setitem(losses.POLICY_LOSSES, "nan_loss", nan_loss)
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.actor.policy_loss = "nan_loss"
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     state = step_lib.init_state(

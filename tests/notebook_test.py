@@ -10,8 +10,8 @@ import sys
 
 import nbformat
 from nbclient import NotebookClient
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
 
 

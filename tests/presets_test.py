@@ -13,11 +13,9 @@ import pytest
 
 from jrl import config as config_lib
 from jrl import step as step_lib
-from jrl import trainer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from jrl.run import trainer
+from conftest import REPO
+from configs import grpo_math
 
 # Published figures, independent of the code under test.
 # Qwen2.5 model cards (Hugging Face, Qwen/Qwen2.5-*-Instruct): (parameters, of which
@@ -187,7 +185,8 @@ _PROBE = textwrap.dedent(
     import jax
     sys.path.insert(0, sys.argv[1])
     from configs import grpo_math
-    from jrl import sharding, step, trainer
+    from jrl import sharding, step
+    from jrl.run import trainer
     from jrl.models import transformer
 
     def model_cfg(cfg):  # the presets' model.vocab_size is their checkpoint's

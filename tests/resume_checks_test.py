@@ -5,17 +5,12 @@ safe."""
 
 import hashlib
 import json
-import os
 
 from cli_helpers import TINY, cache_env, last_line, run
-from jrl import console, exporter as export
-from jrl import workdir as workdir_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import sys  # noqa: E402
-
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import console
+from jrl.run import workdir as workdir_lib
+from conftest import tiny_config
 
 ROWS = [
     {"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"}
@@ -39,7 +34,7 @@ def test_fingerprint_is_size_and_sha256_of_first_and_last_mib(tmp_path):
     big = tmp_path / "big.bin"
     data = bytes(range(256)) * 12289  # 3 MiB + 256 bytes
     big.write_bytes(data)
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.task.train_files = f"{small},{big}"
     prints = workdir_lib.fingerprints(cfg)
     assert sorted(prints) == ["task.train_files[0]", "task.train_files[1]"]
@@ -52,11 +47,11 @@ def test_fingerprint_is_size_and_sha256_of_first_and_last_mib(tmp_path):
 
 
 def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     prints = {"task.train_files[0]": {"path": "/d/a.jsonl", "size": 10, "sha256_head_tail": "x"}}
     saved = json.loads(workdir_lib.config_json(cfg, prints))
     assert workdir_lib.changes(saved, cfg, prints) == []
-    assert export.config_from_json(saved).actor.lr == cfg.actor.lr  # still loads as a config
+    assert checkpoint_lib.config_from_json(saved).actor.lr == cfg.actor.lr  # loads as a config
     cfg.actor.lr = 1e-3
     cfg.rollout.n = 8
     cfg.total_steps = 100  # safe
@@ -74,7 +69,7 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
     assert (
         workdir_lib.changes(
             saved,
-            grpo_math.get_config("tiny"),
+            tiny_config(),
             {
                 "task.train_files[0]": {
                     **prints["task.train_files[0]"],
@@ -92,7 +87,7 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
 
 
 def test_check_resume_raises_one_line_or_warns_with_allow_changes(tmp_path, caplog):
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     (tmp_path / "config.json").write_text(workdir_lib.config_json(cfg, {}))
     cfg.data.train_batch_size = 8
     try:

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 # Tiny run, 6 steps, a checkpoint every step; no warm-up so each start is quick.
 ARGS = [
     "--config=configs/grpo_math.py:tiny",

@@ -8,10 +8,9 @@ import pytest
 from jrl import rollout
 from jrl.models import transformer as tfm
 from jrl.step import response_logprobs
+from conftest import tiny_model
 
-CFG = tfm.ModelConfig(
-    vocab_size=11, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48
-)
+CFG = tiny_model(11)
 EOS, PAD, R = 2, 0, 6
 PROMPTS = np.array([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4], [0, 1, 3, 3, 3]], np.int32)
 PMASK = (np.arange(5)[None] >= np.array([[2], [0], [1]])).astype(np.int32)

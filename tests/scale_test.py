@@ -18,14 +18,11 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import trainer
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from conftest import REPO, tiny_config
 
 DATA = os.path.join(REPO, "tests", "golden", "scale_gsm8k.jsonl")
 # The tiny model with 8 prompts per step (so 8 devices can split them), no warm-up (parameters
@@ -47,14 +44,7 @@ MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]  # data x fsdp x tensor
 
 
 def config(**extra):
-    cfg = grpo_math.get_config("tiny")
-    for name, value in {**OVERRIDES, **extra}.items():
-        *parents, leaf = name.split(".")
-        node = cfg
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return cfg
+    return tiny_config(**OVERRIDES, **extra)
 
 
 def flags(workdir, **extra):

@@ -1,26 +1,19 @@
 """Meshes, logical axis rules, and sharded runs matching the single-device ones (8 CPU devices)."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jrl import sharding, trainer
+from jrl import sharding
+from jrl.run import trainer
 from jrl import step as step_lib
 from jrl.models import transformer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math, ppo_math  # noqa: E402
+from conftest import tiny_config, tiny_model
 
 # vocab 32, hidden 16, 4 query heads, 2 kv heads of width 4, MLP 32: every dim divides 2x2x2.
-CFG = transformer.ModelConfig(
-    vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32
-)
+CFG = tiny_model(32, hidden_size=16, num_layers=1, intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +128,7 @@ def test_sharded_forward_matches_unsharded(params, shape):
 
 def test_state_shardings_mirror_params_in_optimizer_states():
     """PPO with a separate critic and a reference: every part of the state gets its sharding."""
-    cfg = ppo_math.get_config("tiny")
+    cfg = tiny_config("ppo_math")
     cfg.actor.use_kl_loss = True
     policy_cfg, critic_cfg = step_lib.model_configs(cfg, CFG)
     init = lambda: step_lib.init_state(
@@ -174,7 +167,7 @@ def varied_reward(batch, response_ids, response_mask, *, eos_id):
 
 
 def test_fused_step_on_2x2x2_mesh_matches_one_device():
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
     tok, task, _, model_cfg = trainer.build(cfg)

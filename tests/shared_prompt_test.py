@@ -15,7 +15,9 @@ from jrl import step as step_lib
 from jrl.models import transformer as tfm
 
 import model_test
-from lean_step_test import _phases, _tiny, assert_same_update
+
+from conftest import tiny_config
+from lean_step_test import _phases, assert_same_update
 
 # Llama-like with a value head; Gemma-like: sliding-window layers (window 3 < prompt +
 # response), attention and final softcaps, qk norm
@@ -73,20 +75,20 @@ def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
 
 def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
     # the tiny preset: 4 prompts x n 4; one mini-batch of all 4 prompts
-    cfg = _tiny(**{"actor.ppo_mini_batch_size": 4})
+    cfg = tiny_config(**{"actor.ppo_mini_batch_size": 4})
     n = cfg.rollout.n
     assert n > 1
     micro = {"log_prob": 1, "actor": 1, "critic": 1}
     assert step_lib.prompt_group(cfg, micro) == {k: n for k in micro}
     split = {"log_prob": 1, "actor": 8, "critic": 4}  # actor: half a group per micro-batch
     assert step_lib.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
-    two = _tiny(**{"actor.ppo_mini_batch_size": 2})  # two mini-batches: rows drawn at random
+    two = tiny_config(**{"actor.ppo_mini_batch_size": 2})  # two mini-batches: rows drawn at random
     assert step_lib.prompt_group(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
-    off = _tiny(**{"model.shared_prompt_forward": False})
+    off = tiny_config(**{"model.shared_prompt_forward": False})
     assert step_lib.prompt_group(off, micro) == {k: 1 for k in micro}
-    single = _tiny(**{"rollout.n": 1})
+    single = tiny_config(**{"rollout.n": 1})
     assert step_lib.prompt_group(single, micro) == {k: 1 for k in micro}
-    dropout = _tiny(**{"actor.ppo_mini_batch_size": 4, "lora.rank": 4, "lora.dropout": 0.1})
+    dropout = tiny_config(**{"actor.ppo_mini_batch_size": 4, "lora.rank": 4, "lora.dropout": 0.1})
     assert step_lib.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
 
 
@@ -108,8 +110,8 @@ def test_update_with_the_shared_prompt_forward_equals_the_full_forwards(estimato
         "rollout.log_prob_micro_batch_size_per_device": 8,
         "actor.ppo_epochs": 2,  # not on-policy: the old log-prob forward runs
     }
-    on_cfg = _tiny(**changes)
-    off_cfg = _tiny(**changes, **{"model.shared_prompt_forward": False})
+    on_cfg = tiny_config(**changes)
+    off_cfg = tiny_config(**changes, **{"model.shared_prompt_forward": False})
     task, model_cfg, (generate, score, update) = _phases(on_cfg)
     _, _, (_, off_score, off_update) = _phases(off_cfg)
     ids = {"eos_id": 0, "pad_id": 0, "max_new_tokens": 1}

@@ -4,9 +4,6 @@ updates (a step skipped by the NaN guard applies none), a value head on the poli
 critic's optimizer settings, DAPO's dynamic sampling filters by either of verl's metric names, and
 ReMax's greedy baseline is shaped as the samples' scores."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,10 +12,8 @@ import pytest
 
 from jrl import rollout
 from jrl import step as step_lib
-from jrl import trainer
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import grpo_math, ppo_math  # noqa: E402
+from jrl.run import trainer
+from conftest import tiny_config
 
 
 def setup(cfg, reward_fn=None):
@@ -35,7 +30,7 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     and its optimizer state (Adam's count, moments) are exactly as they were, the critic moved;
     at step 2 the policy updates. (Multiplying the policy loss by 0 still let weight decay shrink
     the policy and advanced Adam's count and the warm-up of the learning rate.)"""
-    cfg = ppo_math.get_config("tiny")
+    cfg = tiny_config("ppo_math")
     cfg.warmup.sft_steps = 0
     cfg.critic.critic_warmup = 1
     cfg.actor.weight_decay = 0.1
@@ -86,7 +81,7 @@ def test_logged_lr_follows_applied_updates_after_a_skipped_step():
     is skipped (no update applied); step 2's first update is then the optimizer's first: lr 0
     (warm-up from 0), not 1e-3 * 2 / 4 as `state.step * updates_per_step` said; step 3's is the
     third update: 1e-3 * 2 / 4."""
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.warmup.sft_steps = 0
     cfg.actor.lr = 1e-3
     cfg.actor.lr_warmup_steps = 4
@@ -103,7 +98,7 @@ def test_logged_lr_follows_applied_updates_after_a_skipped_step():
 
 
 def test_schedule_count_reads_the_learning_rate_schedules_count():
-    tx = step_lib.make_optimizer(grpo_math.get_config("tiny").actor)
+    tx = step_lib.make_optimizer(tiny_config().actor)
     params = {"w": jnp.ones(3)}
     opt_state = tx.init(params)
     for _ in range(3):
@@ -117,7 +112,7 @@ def test_the_update_gives_clip_cov_its_random_choice_of_tokens():
     when the step passes its key: two micro-batch keys pick different tokens, so the policy
     terms differ; the same key gives the same terms. (The step passed no key, so the choice was
     the deterministic top-covariance one whatever the key.)"""
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.actor.policy_loss = "clip_cov"
     cfg.actor.clip_cov_ratio = 0.25
     cfg.actor.clip_cov_lb, cfg.actor.clip_cov_ub = -1e9, 1e9  # every token is a candidate

@@ -1,5 +1,15 @@
-"""The shape of the package: no import cycles, entrypoints are leaves, the maths and the models
-import nothing from the runtime, and importing a tool registers no trainer flags."""
+"""The shape of the package: no import cycles, and the folders are the tiers.
+
+    command lines   jrl/train.py  eval.py  export.py  bench.py   (imported by nobody)
+    run machinery   jrl/run/      (trainer, checkpoints, workdir, metric writers, ...; run.cli
+                                   is imported only by the command lines)
+    RL core         jrl/*.py      (step, rollout, sharding, config, tokenizer, ...; never jrl.run)
+                    jrl/tools/    (the host side of multi-turn rollouts; the config reads its
+                                   registries, its host is built from a config)
+    maths           jrl/algos/  jrl/models/  jrl/rewards/  jrl/data/   (maths and base only)
+    base            jrl/partitioning.py  jrl/registry.py             (import nothing from jrl)
+
+Each tier imports only the tiers below it; importing a tool registers no trainer flags."""
 
 import ast
 import os
@@ -8,20 +18,44 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 PACKAGE = os.path.join(REPO, "jrl")
 ENTRYPOINTS = {"jrl.train", "jrl.eval", "jrl.export", "jrl.bench"}
-# Layers of pure maths / model code may not import these runtime modules (the models name logical
-# axes and constrain activations through jrl.partitioning, which imports no jrl module).
-RUNTIME = {
-    "jrl.sharding",
-    "jrl.step",
-    "jrl.rollout",
-    "jrl.trainer",
-    "jrl.checkpoint",
-    "jrl.workdir",
+BASE = {"jrl.partitioning", "jrl.registry"}
+MATHS = ("jrl.algos", "jrl.models", "jrl.rewards", "jrl.data")
+RUN = "jrl.run"
+CORE_PACKAGES = ("jrl.tools",)
+
+
+def under(module: str, *packages: str) -> bool:
+    """Whether `module` is one of `packages` or inside one of them."""
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def tier(module: str) -> str | None:
+    """The tier of a module of jrl (None: the package root `jrl`, or a module in no tier)."""
+    if module in ENTRYPOINTS:
+        return "command line"
+    if under(module, RUN):
+        return "run"
+    if under(module, *MATHS):
+        return "maths"
+    if module in BASE:
+        return "base"
+    if module.count(".") == 1 or under(module, *CORE_PACKAGES):  # jrl/step.py, jrl/tools/host.py
+        return "core"
+    return None
+
+
+# What each tier may import (besides itself).
+MAY_IMPORT = {
+    "command line": {"run", "core", "maths", "base"},
+    "run": {"core", "maths", "base"},
+    "core": {"maths", "base"},
+    "maths": {"base"},
+    "base": set(),
 }
-RUNTIME |= ENTRYPOINTS | {"jrl.cli", "jrl.evaluator", "jrl.exporter", "jrl.benchmark"}
 
 
 def modules() -> dict[str, str]:
@@ -101,15 +135,66 @@ def test_nothing_imports_an_entrypoint():
     assert bad == {}
 
 
-@pytest.mark.parametrize("layer", ["jrl.models", "jrl.algos"])
-def test_models_and_maths_import_no_runtime_module(layer):
+def test_every_module_has_a_tier():
+    assert [m for m in graph() if m not in ("jrl", RUN) and tier(m) is None] == []
+
+
+def test_tier_finder():
+    assert tier("jrl.train") == "command line"
+    assert tier("jrl.run.trainer") == tier("jrl.run.cli") == "run"
+    assert tier("jrl.step") == tier("jrl.config") == tier("jrl.tokenizer") == "core"
+    assert tier("jrl.algos") == tier("jrl.models.lora") == tier("jrl.data.math_data") == "maths"
+    assert tier("jrl.registry") == "base"
+    assert tier("jrl.newfolder.module") is None
+
+
+def test_each_tier_imports_only_the_tiers_below():
+    bad = {}
+    for m, deps in graph().items():
+        if tier(m) is None:
+            continue
+        allowed = MAY_IMPORT[tier(m)] | {tier(m)}
+        wrong = sorted(d for d in deps if tier(d) not in allowed)
+        if wrong:
+            bad[m] = wrong
+    assert bad == {}
+
+
+def test_package_root_imports_nothing_from_jrl():
+    assert graph()["jrl"] == set()
+
+
+def test_only_command_lines_import_the_cli():
+    importers = {m for m, deps in graph().items() if "jrl.run.cli" in deps}
+    assert importers and importers <= ENTRYPOINTS
+
+
+def test_nothing_below_the_run_machinery_imports_it():
+    g = graph()
+    bad = {m: sorted(d for d in deps if under(d, RUN)) for m, deps in g.items()}
+    bad = {m: deps for m, deps in bad.items() if deps and tier(m) in ("core", "maths", "base")}
+    assert bad == {}
+
+
+@pytest.mark.parametrize("layer", MATHS)
+def test_maths_import_only_maths_and_base(layer):
     g = graph()
     bad = {
-        m: sorted(deps & RUNTIME)
+        m: sorted(d for d in deps if not (under(d, *MATHS) or d in BASE))
         for m, deps in g.items()
-        if (m == layer or m.startswith(layer + ".")) and deps & RUNTIME
+        if under(m, layer)
     }
-    assert bad == {}
+    assert {m: deps for m, deps in bad.items() if deps} == {}
+
+
+def test_algos_are_pure_maths():
+    g = graph()
+    bad = {
+        m: sorted(d for d in deps if not (under(d, "jrl.algos") or d == "jrl.registry"))
+        for m, deps in g.items()
+        if under(m, "jrl.algos")
+    }
+    assert {m: deps for m, deps in bad.items() if deps} == {}
 
 
 def test_partitioning_imports_no_jrl_module_and_sharding_no_model():
@@ -120,7 +205,8 @@ def test_partitioning_imports_no_jrl_module_and_sharding_no_model():
 
 def test_importing_a_tool_registers_no_trainer_flags():
     code = (
-        "import jrl.eval, jrl.export, jrl.evaluator, jrl.exporter, jrl.benchmark, jrl.trainer\n"
+        "import jrl.eval, jrl.export\n"
+        "from jrl.run import benchmark, evaluator, exporter, trainer\n"
         "from absl import flags\n"
         "print(sorted(flags.FLAGS))"
     )

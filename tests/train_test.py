@@ -14,11 +14,9 @@ from jrl import models
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import transformer
 from jrl import step as step_lib
-from jrl import trainer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-from configs import grpo_math  # noqa: E402
+from jrl.run import trainer
+from conftest import REPO, tiny_config, tiny_model
+from configs import grpo_math
 
 VERL_METRICS = (
     "critic/score/mean",
@@ -52,7 +50,7 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
         return traced
 
     monkeypatch.setattr(step_lib, "make_step", counting_make_step)
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # exercise the reference model and KL loss path too
     monkeypatch.chdir(tmp_path.parent)
     final = trainer.run(
@@ -157,22 +155,14 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
     monkeypatch.setattr(step_lib, "make_step", counting_make_step)
     # A tiny Qwen2-style checkpoint in HF format (config.json, safetensors, tokenizer files).
     hf_dir = tmp_path / "hf_model"
-    model_cfg = transformer.ModelConfig(
-        vocab_size=96,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        qkv_bias=True,
-    )
+    model_cfg = tiny_model(96, intermediate_size=64, qkv_bias=True)
     models.save_pretrained(
         model_cfg,
         transformer.init_params(model_cfg, jax.random.key(0)),
         str(hf_dir),
         tokenizer=tokenizer_lib.char_tokenizer(),
     )
-    cfg = grpo_math.get_config("tiny")
+    cfg = tiny_config()
     cfg.model.hf_path = str(hf_dir)
     cfg.tokenizer = ""  # the checkpoint's own tokenizer
     cfg.task.name = "gsm8k"
@@ -195,12 +185,13 @@ def test_gsm8k_jsonl_with_hf_model_three_steps_single_compile(tmp_path, monkeypa
         for name in VERL_METRICS:
             assert math.isfinite(r[name]), (name, r[name])
     # Round trip: the trained policy exported as an HF checkpoint reloads with identical logits.
-    from jrl import exporter as export_lib
+    from jrl.run import checkpoint as checkpoint_lib
+    from jrl.run import exporter as export_lib
 
     out = tmp_path / "exported"
     assert export_lib.export(str(workdir), str(out)) == 3
-    tok, policy_cfg = export_lib.policy_model(cfg)
-    params, _ = export_lib.restore_params(str(workdir), cfg, policy_cfg)
+    tok, policy_cfg = trainer.policy_model(cfg)
+    params, _ = checkpoint_lib.restore_params(str(workdir), cfg, policy_cfg)
     reloaded_cfg, reloaded = models.load_pretrained(str(out))
     ids = jax.numpy.array([[1, 20, 21, 22, 30], [0, 0, 1, 25, 26]])
     mask = (ids > 0).astype("int32")

@@ -16,7 +16,7 @@ import pytest
 from cli_helpers import REPO, TINY, cache_env, last_line, steps
 from cli_helpers import run as cli_run
 from cli_helpers import start as cli_start
-from jrl import workdir as workdir_lib
+from jrl.run import workdir as workdir_lib
 
 
 def _hold_lock(path):

@@ -16,9 +16,10 @@ import sys
 
 from absl import app
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import logging as metric_files
-from jrl import cli, train
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import metric_writers as metric_files
+from jrl import train
+from jrl.run import cli
 
 
 def _enospc(path):

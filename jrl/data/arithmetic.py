@@ -41,7 +41,7 @@ def answer_text(a: int, op: str, b: int) -> str:
     return str(OPS[op](int(a), int(b)))
 
 
-def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int):
+def left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int):
     """Left-pads token lists to `width`: returns (ids [N, width] int32, mask [N, width] int32)."""
     ids = np.full((len(rows), width), pad_id, np.int32)
     mask = np.zeros((len(rows), width), np.int32)
@@ -172,7 +172,7 @@ class ArithmeticTask:
                 f"an answer has {longest} tokens with eos > max_response_length "
                 f"{self.max_response_length}: raise max_response_length to {longest}."
             )
-        input_ids, attention_mask = _left_pad(prompts, self.prompt_length, self.pad_id)
+        input_ids, attention_mask = left_pad(prompts, self.prompt_length, self.pad_id)
         n, width = len(answers), self.max_response_length
         answer_ids = np.full((n, width), self.pad_id, np.int32)
         answer_mask = np.zeros((n, width), np.int32)

@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from jrl.data.arithmetic import _left_pad
+from jrl.data.arithmetic import left_pad
 
 SPLITS = ("train", "eval")  # split ids 0, 1
 OVERLONG_POLICIES = ("drop", "truncate", "error")
@@ -460,7 +460,7 @@ class MathTask:
         """Rows of `split` (their `row_id`s) -> the batch dict described in the module docstring."""
         row_ids = np.asarray(row_ids, np.int64).reshape(-1)
         tokens = [self._tokens[split][i] for i in row_ids]
-        input_ids, attention_mask = _left_pad(tokens, self.prompt_length, self.pad_id)
+        input_ids, attention_mask = left_pad(tokens, self.prompt_length, self.pad_id)
         return dict(
             input_ids=input_ids,
             attention_mask=attention_mask,

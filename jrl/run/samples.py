@@ -15,7 +15,7 @@ import json
 import numpy as np
 from etils import epath
 
-from jrl.logging import SAMPLES_FILE
+from jrl.run.metric_writers import SAMPLES_FILE
 
 PREFIX = "samples/"
 

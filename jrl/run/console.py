@@ -6,9 +6,7 @@ result, one line per eval, the final JSON line). `quiet_console()` raises the co
 to WARNING unless `--verbosity` was given; `log_to_file(workdir)` keeps every INFO record in
 `workdir/train.log` (local workdirs; a run's own INFO lines included).
 
-transformers says "PyTorch was not found ..." on import; jrl uses only its tokenizers, so
-importing jrl sets TRANSFORMERS_NO_ADVISORY_WARNINGS=1 (unless already set) to hide that notice
-(`hide_library_notices`, called from `jrl/__init__.py`).
+(transformers' "PyTorch was not found" notice is hidden by `jrl/__init__.py`.)
 """
 
 from __future__ import annotations
@@ -17,12 +15,6 @@ import logging
 import os
 
 LOG_FILE = "train.log"  # INFO log of a run in its workdir (train.<i>.log on process i > 0)
-
-
-def hide_library_notices() -> None:
-    """Hides transformers' advisory notices (its "PyTorch was not found" line) unless the
-    environment already sets TRANSFORMERS_NO_ADVISORY_WARNINGS; warnings and errors stay."""
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def quiet_console(verbosity_given: bool) -> None:

@@ -17,7 +17,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from jrl import logging as logging_lib
+from jrl.run import metric_writers
 
 ROWS = [
     {"actor/pg_loss": 0.5, "critic/score/mean": 0.25, "perf/total_num_tokens": 120},
@@ -69,7 +69,7 @@ def rows_of(text: str) -> list[dict]:
 )
 def test_progress_bar_shows_kl_only_with_a_kl_term(use_kl_loss, use_kl_in_reward, shown):
     from jrl import config as config_lib
-    from jrl import trainer
+    from jrl.run import trainer
 
     cfg = config_lib.base_config()
     cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward = use_kl_loss, use_kl_in_reward
@@ -96,7 +96,7 @@ def test_progress_bar_shows_kl_only_with_a_kl_term(use_kl_loss, use_kl_in_reward
 def test_local_workdir_appends_flushed_rows_and_writes_events_in_place(tmp_path):
     earlier = {"step": 0, "val/accuracy": 0.125}  # a row of an earlier (resumed) run
     (tmp_path / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")
-    writer = logging_lib.MetricWriter(str(tmp_path))
+    writer = metric_writers.MetricWriter(str(tmp_path))
     for step, row in enumerate(ROWS, 1):
         writer.write(step, row)
     # Every row is on disk before close (flushed one by one).
@@ -113,7 +113,7 @@ def test_local_workdir_appends_flushed_rows_and_writes_events_in_place(tmp_path)
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
-    writer = logging_lib.MetricWriter(str(tmp_path / "w"), enabled=False)
+    writer = metric_writers.MetricWriter(str(tmp_path / "w"), enabled=False)
     writer.write(1, ROWS[0])
     assert writer.flush()
     writer.close()
@@ -124,12 +124,12 @@ def test_trim_metrics_and_write_text_local(tmp_path):
     lines = [json.dumps({"step": s, "x": s * 0.5}) for s in range(6)]
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(lines) + '\n{"step": 6, "x"')  # a torn last row (killed run)
-    logging_lib.trim_metrics(str(tmp_path), 3)
+    metric_writers.trim_metrics(str(tmp_path), 3)
     assert path.read_text() == "\n".join(lines[:4]) + "\n"
-    logging_lib.trim_metrics(str(tmp_path / "none"), 3)  # no metrics.jsonl: nothing created
+    metric_writers.trim_metrics(str(tmp_path / "none"), 3)  # no metrics.jsonl: nothing created
     assert not (tmp_path / "none").exists()
-    logging_lib.write_text(str(tmp_path / "config.json"), '{"a": 1}')
-    logging_lib.write_text(str(tmp_path / "config.json"), '{"a": 2}')
+    metric_writers.write_text(str(tmp_path / "config.json"), '{"a": 1}')
+    metric_writers.write_text(str(tmp_path / "config.json"), '{"a": 2}')
     assert (tmp_path / "config.json").read_text() == '{"a": 2}'
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
 
@@ -199,7 +199,7 @@ def test_gs_workdir_on_fake_backend_uploads_rows_and_events_throttled_and_on_clo
     remote = "gs://bucket/run"
     bucket_dir = os.path.join(fake_gs.root, "bucket", "run")
     assert isinstance(epath.Path(remote)._backend, FakeObjectStore)
-    writer = logging_lib.MetricWriter(remote, upload_every_s=3600)
+    writer = metric_writers.MetricWriter(remote, upload_every_s=3600)
     writer.write(0, ROWS[0])  # the first write uploads at once
     jsonl = os.path.join(bucket_dir, "metrics.jsonl")
     assert [r["step"] for r in rows_of(open(jsonl).read())] == [0]
@@ -220,9 +220,9 @@ def test_gs_workdir_on_fake_backend_uploads_rows_and_events_throttled_and_on_clo
     assert all("a" not in m for m in fake_gs.opened_modes)
 
     # Resume: trim the rows after step 1, then a new writer continues the same object.
-    logging_lib.trim_metrics(remote, 1)
+    metric_writers.trim_metrics(remote, 1)
     assert [r["step"] for r in rows_of(open(jsonl).read())] == [0, 1]
-    with logging_lib.MetricWriter(remote, upload_every_s=3600) as writer:
+    with metric_writers.MetricWriter(remote, upload_every_s=3600) as writer:
         writer.write(2, {"actor/pg_loss": 7.0})
     got = rows_of(open(jsonl).read())
     assert [r["step"] for r in got] == [0, 1, 2] and got[2] == {"step": 2, "actor/pg_loss": 7.0}
@@ -230,15 +230,15 @@ def test_gs_workdir_on_fake_backend_uploads_rows_and_events_throttled_and_on_clo
     assert len(second) == 1
     with open(os.path.join(bucket_dir, second[0]), "rb") as f:
         assert read_events(f.read()) == {("actor/pg_loss", 2): 7.0}
-    logging_lib.write_text(remote + "/config.json", '{"seed": 0}')
+    metric_writers.write_text(remote + "/config.json", '{"seed": 0}')
     assert open(os.path.join(bucket_dir, "config.json")).read() == '{"seed": 0}'
 
 
 def test_gs_failed_uploads_are_retried_and_exit_uploads_an_unclosed_writer(fake_gs, monkeypatch):
     exit_hooks = []
-    monkeypatch.setattr(logging_lib.atexit, "register", exit_hooks.append)
+    monkeypatch.setattr(metric_writers.atexit, "register", exit_hooks.append)
     jsonl = os.path.join(fake_gs.root, "bucket", "run", "metrics.jsonl")
-    writer = logging_lib.MetricWriter("gs://bucket/run", upload_every_s=0)
+    writer = metric_writers.MetricWriter("gs://bucket/run", upload_every_s=0)
     fake_gs.fail_writes = True
     writer.write(0, ROWS[0])  # the upload fails: logged, the run goes on
     writer.write(1, ROWS[0])
@@ -255,7 +255,7 @@ def test_gs_failed_uploads_are_retried_and_exit_uploads_an_unclosed_writer(fake_
     assert [r["step"] for r in rows_of(open(jsonl).read())] == [0, 1, 2]
 
     fake_gs.fail_writes = True  # the last upload fails: the local spool is kept
-    writer = logging_lib.MetricWriter("gs://bucket/run2", upload_every_s=3600)
+    writer = metric_writers.MetricWriter("gs://bucket/run2", upload_every_s=3600)
     writer.write(5, ROWS[0])
     writer.close()
     with open(os.path.join(writer._spool, "metrics.jsonl")) as f:

@@ -6,7 +6,6 @@ Only entrypoints import this module (it registers absl flags); nothing imports a
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from absl import flags
@@ -37,10 +36,7 @@ def config_filename() -> str:
 def _load_config_file(spec: str):
     """The ConfigDict of `--config=path.py[:arg]` without the overrides."""
     path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("_jrl_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # config_lib.config_file_error finds its PRESETS
-    module_spec.loader.exec_module(module)
+    module = config_lib.load_file(path)
     if not callable(getattr(module, "get_config", None)):
         raise config_lib.ConfigError(
             config_lib.config_path_error(spec, "defines no get_config(arg=None) returning a config")

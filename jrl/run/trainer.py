@@ -1,6 +1,7 @@
 """The trainer as a library: `run(cfg, workdir)` trains (or resumes) one run; `build`,
 `model_config`, `initial_params`, `jit_step` and `sampling_ids` are the pieces the other tools
-(jrl.evaluator, jrl.exporter, jrl.benchmark) and the tests share. The command line is jrl/train.py.
+(jrl.run.evaluator, jrl.run.exporter, jrl.run.benchmark) and the tests share. The command line
+is jrl/train.py.
 
 Read `run` top to bottom: validate the config, build the tokenizer, task, reward and model,
 resume from the workdir's newest valid checkpoint or warm up (optional supervised steps), then
@@ -23,16 +24,16 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jrl import checkpoint as checkpoint_lib
-from jrl import console
-from jrl import samples as samples_lib
 from jrl import config as config_lib
 from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
-from jrl import logging as metric_files
-from jrl import workdir as workdir_lib
-from jrl.logging import MetricWriter, ProgressBar, to_python
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import console
+from jrl.run import metric_writers as metric_files
+from jrl.run import samples as samples_lib
+from jrl.run import workdir as workdir_lib
+from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
 
 
 def init_distributed(
@@ -98,6 +99,13 @@ def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shar
     return {**init(), **loaded}
 
 
+def policy_model(cfg) -> tuple:
+    """(tokenizer, policy model config) of a run; unlike `build` it needs no data files."""
+    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
+    model_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
+    return tok, model_cfg
+
+
 def sampling_ids(tok, task) -> dict:
     """The token ids and response length that make_step / make_phases / make_eval take."""
     return {
@@ -148,7 +156,7 @@ def build(cfg):
 
 
 def _build(cfg):
-    tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
+    tok, policy_cfg = policy_model(cfg)
     t = cfg.task
     common = dict(
         seed=cfg.seed,
@@ -174,7 +182,6 @@ def _build(cfg):
             **{k: v for k, v in given.items() if v},
         )
     reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
-    policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
     if len(tok) > policy_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary has "
@@ -208,12 +215,8 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
 
 
 # ---------------------------------------------------------------------------------------------
-# LoRA on a Hugging Face checkpoint: the frozen base is not saved with the run; checkpoints hold
-# the trainable state and the base's identity, and a resume reloads the base from model.hf_path.
-
-
-def lora_base_from_hf(cfg) -> bool:
-    return step_lib.lora_on(cfg) and bool(cfg.model.hf_path)
+# LoRA on a Hugging Face checkpoint: a resume reloads the frozen base from model.hf_path
+# (checkpoint_lib.lora_base_from_hf).
 
 
 def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
@@ -354,7 +357,7 @@ def start_or_resume(
     model.hf_path is reloaded and checked), else a fresh state at step 0 from the warmed-up or
     initial params (`key_init`'s), placed into `state_sh` by `init(params) -> state`
     (`abstract` is the state's shapes)."""
-    base_from_hf = lora_base_from_hf(cfg)
+    base_from_hf = checkpoint_lib.lora_base_from_hf(cfg)
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
     )
@@ -423,7 +426,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         checkpoint_bytes=checkpoint_lib.nbytes(abstract.replace(ref_params=None)),
     )
     say("\n".join(summary), flush=True)
-    base_from_hf = lora_base_from_hf(cfg)
+    base_from_hf = checkpoint_lib.lora_base_from_hf(cfg)
     state, resumed, start = start_or_resume(
         cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
     )

@@ -22,6 +22,10 @@ mid-save leaves an unfinished directory next to the intact earlier checkpoints.
 restores the newest one that reads back. It deletes nothing: unreadable checkpoints newer than
 the one restored are renamed to `<step>.invalid`, so that the resumed run can save those steps.
 
+A finished run's config and policy (for evaluation and export) are read back without its
+trainer: `load_config(workdir, step)` (the config a checkpoint was written with),
+`restore_params` (the policy; a LoRA run's merged), `restore_lora` (frozen base and adapters).
+
 Preemption: `PreemptionGuard` turns the first SIGTERM / SIGINT into a request the loop polls
 after each step (it then saves, waits and exits with `PREEMPTED_EXIT_CODE`); a second signal
 exits at once with `FORCED_EXIT_CODE`. On multi-process runs (TPU pods) it also honours JAX's
@@ -40,10 +44,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+
+from jrl import config as config_lib
+from jrl import models
+from jrl import step as step_lib
+from jrl.models import lora as lora_lib
+from jrl.models import transformer
 
 # Exit status of a run that stopped on a signal or preemption notice AFTER saving a checkpoint:
 # the launcher may requeue it with the same --workdir and it resumes where it stopped.
@@ -670,3 +681,156 @@ class PreemptionGuard:
             return self.requested
         requested = not _all_processes_agree(not self.requested)
         return _reached_preemption_sync_point(step) or requested
+
+
+# ----------------------------------------------------------------------------- a run's config
+
+
+def _fill_defaults(cfg: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+    """Adds the fields of `defaults` that `cfg` lacks (configs saved before a field existed)."""
+    for name, value in defaults.items():
+        if name not in cfg:
+            cfg[name] = value
+        elif isinstance(value, ml_collections.ConfigDict) and isinstance(
+            cfg[name], ml_collections.ConfigDict
+        ):
+            _fill_defaults(cfg[name], value)
+
+
+def config_from_json(fields: dict) -> ml_collections.ConfigDict:
+    """The ConfigDict of a saved config (`cfg.to_json_best_effort()`), with the fields added to
+    jrl since it was saved at their defaults."""
+    cfg = ml_collections.ConfigDict(fields)
+    _fill_defaults(cfg, config_lib.base_config())
+    return cfg
+
+
+def _checkpoint_steps(workdir: str) -> list[int]:
+    """Committed checkpoint steps under `workdir/checkpoints`, oldest first; [] when none."""
+    directory = epath.Path(workdir) / CHECKPOINTS_DIR
+    if not directory.exists():
+        return []
+    with _checkpointer(workdir) as ckpt:
+        return ckpt.all_steps()
+
+
+def _checkpointer(workdir: str) -> Checkpointer:
+    """A Checkpointer that only reads (keeps every checkpoint, saves nothing by itself)."""
+    return Checkpointer(workdir, every_steps=0, max_to_keep=0, async_save=False)
+
+
+def check_step(workdir: str, step: int | None) -> list[int]:
+    """The workdir's checkpoint steps; raises CheckpointError when there are none or `step` is
+    not one of them."""
+    steps = _checkpoint_steps(workdir)
+    if not steps:
+        raise CheckpointError(
+            f"workdir {workdir} has no checkpoints (nothing committed under "
+            f"{os.path.join(workdir, CHECKPOINTS_DIR)}); pass the --workdir of a run that saved "
+            "one."
+        )
+    if step is not None and step not in steps:
+        raise CheckpointError(
+            f"step {step} is not among the checkpoints of {workdir} (available: "
+            f"{', '.join(map(str, steps))}); pass one of them, or leave --step out for the newest."
+        )
+    return steps
+
+
+def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
+    """The config checkpoint `step` (default: the newest) was written with: its
+    `extra["config"]`, else `workdir/config.json` (the last run's config)."""
+    steps = check_step(workdir, step)
+    step = steps[-1] if step is None else step
+    extra_dir = epath.Path(workdir) / CHECKPOINTS_DIR / str(step) / "extra"
+    saved = None
+    try:
+        extra = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(extra_dir)
+        saved = (extra or {}).get("config")
+    except Exception as e:  # noqa: BLE001 - an unreadable extra item: fall back to config.json
+        logging.warning("Could not read %s (%s); using config.json.", extra_dir, e)
+    if saved is None:
+        path = epath.Path(workdir) / "config.json"
+        if not path.exists():
+            raise CheckpointError(
+                f"checkpoint {step} of {workdir} records no config and {path} is missing; pass "
+                "the run's config with --config=configs/X.py."
+            )
+        saved = json.loads(path.read_text())
+    return config_from_json(saved)
+
+
+# ----------------------------------------------------------------------------- a run's policy
+# LoRA on a Hugging Face checkpoint: the frozen base is not saved with the run; checkpoints hold
+# the trainable state and the base's identity, and a restore reloads the base from
+# model.hf_path.
+
+
+def lora_base_from_hf(cfg) -> bool:
+    """Whether the run's checkpoints leave out its frozen LoRA base (read from model.hf_path)."""
+    return step_lib.lora_on(cfg) and bool(cfg.model.hf_path)
+
+
+def abstract_state(
+    cfg, model_cfg: transformer.ModelConfig, with_base: bool = False
+) -> step_lib.TrainState:
+    """The run's train state as shapes (as jrl.run.trainer.run makes it), without the reference
+    params (they are not needed to export or evaluate the policy; `with_base`: with them, for
+    LoRA's frozen base)."""
+    key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
+    state = jax.eval_shape(
+        lambda: step_lib.init_state(
+            cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
+        )
+    )
+    return state if with_base else state.replace(ref_params=None)
+
+
+def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None = None):
+    """(policy params, step) of checkpoint `step` of `workdir`; default: the newest checkpoint
+    that reads back (unreadable newer ones are skipped with a warning). A LoRA run's policy
+    comes back merged: W + (alpha / r) A B, in float32."""
+    if step_lib.lora_on(cfg):
+        base, trainable, step = restore_lora(workdir, cfg, model_cfg, step)
+        return lora_lib.merge(base, trainable, lora_lib.scale(cfg.lora), "float32"), step
+    state, _, step = _restore_state(workdir, cfg, model_cfg, step)
+    return state.params, step
+
+
+def restore_lora(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None = None):
+    """(frozen base, trainable params, step) of a LoRA run's checkpoint: the base from
+    model.hf_path (checked against the identity the checkpoint recorded) or, for a base made in
+    the run (the demo's warm-up), from the workdir's reference/."""
+    state, extra, step = _restore_state(workdir, cfg, model_cfg, step)
+    if lora_base_from_hf(cfg):
+        message = lora_lib.check_base(extra.get("lora_base") or {}, cfg.model.hf_path)
+        if message:
+            raise CheckpointError(message)
+        loaded = models.load_pretrained(cfg.model.hf_path, dtype=model_cfg.param_dtype)[1]
+        base, _ = lora_lib.split(loaded)
+    else:
+        with _checkpointer(workdir) as ckpt:
+            base = ckpt.restore_reference(abstract_state(cfg, model_cfg, with_base=True).ref_params)
+    return base, state.params, step
+
+
+def _restore_state(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: int | None):
+    """(train state without its reference, extra, step) of checkpoint `step` (None: newest)."""
+    check_step(workdir, step)
+    target = abstract_state(cfg, model_cfg)
+    with _checkpointer(workdir) as ckpt:
+        if step is None:
+            state, extra, step = ckpt.restore_latest(target)
+        else:
+            where = str(ckpt.directory / str(step))
+            try:
+                state, extra = ckpt.restore(step, target)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                first = str(e).splitlines()[0][:300] if str(e) else ""
+                raise CheckpointError(
+                    f"checkpoint {where} does not read back ({type(e).__name__}: {first}); pick "
+                    "another --step."
+                ) from e
+    return state, extra or {}, int(step)

@@ -15,7 +15,7 @@ from jrl import config as config_lib
 from jrl import sharding
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
-from jrl import trainer
+from jrl.run import trainer
 from jrl.data.arithmetic import ArithmeticTask
 from jrl.models import transformer
 from jrl.rewards import get_reward

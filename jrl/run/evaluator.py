@@ -13,10 +13,12 @@ from etils import epath
 from tensorboardX import SummaryWriter
 
 from jrl import config as config_lib
-from jrl import exporter, rollout, trainer
-from jrl import samples as samples_lib
+from jrl import rollout
+from jrl.run import checkpoint as checkpoint_lib
+from jrl.run import trainer
+from jrl.run import samples as samples_lib
 from jrl import step as step_lib
-from jrl.logging import to_python
+from jrl.run.metric_writers import to_python
 
 CORRECT_SCORE = 1.0  # a sample counts as correct for pass@k when its score reaches this
 
@@ -98,11 +100,11 @@ class Evaluator:
 
     def __init__(self, workdir: str, *, step: int | None = None, cfg=None, num_samples: int = 0):
         if cfg is None:
-            cfg = exporter.load_config(workdir, step)
+            cfg = checkpoint_lib.load_config(workdir, step)
         config_lib.validate(cfg)
         self.workdir, self.cfg = workdir, cfg
         self.tokenizer, self.task, self.reward_fn, self.model_cfg = trainer.build(cfg)
-        self.params, self.step = exporter.restore_params(workdir, cfg, self.model_cfg, step)
+        self.params, self.step = checkpoint_lib.restore_params(workdir, cfg, self.model_cfg, step)
         self.batch = self.task.eval_batch()
         self._ids = trainer.sampling_ids(self.tokenizer, self.task)
         self._greedy = None
