@@ -133,7 +133,7 @@ def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: 
     """(policy params, step) of checkpoint `step` of `workdir`; default: the newest checkpoint
     that reads back (unreadable newer ones are skipped with a warning). A LoRA run's policy
     comes back merged: W + (alpha / r) A B, in float32."""
-    if step_lib.lora_on(cfg):
+    if lora_lib.lora_on(cfg):
         base, trainable, step = restore_lora(workdir, cfg, model_cfg, step)
         return lora_lib.merge(base, trainable, lora_lib.scale(cfg.lora), "float32"), step
     state, _, step = _restore_state(workdir, cfg, model_cfg, step)
@@ -212,7 +212,7 @@ def export(
     if cfg is None:
         cfg = load_config(workdir, step)
     config_lib.validate(cfg)
-    if adapter_only and not step_lib.lora_on(cfg):
+    if adapter_only and not lora_lib.lora_on(cfg):
         raise ExportError(
             f"--adapter_only exports LoRA adapters, but the run in {workdir} trained every "
             "parameter (lora.rank=0); leave --adapter_only out to export its full weights."

@@ -7,7 +7,7 @@ import pytest
 
 from jrl import rollout
 from jrl.models import transformer as tfm
-from jrl.step import response_logprobs
+from jrl.logprobs import response_outputs
 
 CFG = tfm.ModelConfig(
     vocab_size=11, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48
@@ -72,7 +72,7 @@ def test_mask_is_one_through_first_eos_and_zero_after(gen):
 
 def test_sampled_log_probs_equal_recomputed_ones(gen, params):
     out = gen(jax.random.key(3), temperature=0.7)
-    logp = response_logprobs(
+    logp = response_outputs(
         CFG,
         params,
         jnp.asarray(PROMPTS),
@@ -80,7 +80,7 @@ def test_sampled_log_probs_equal_recomputed_ones(gen, params):
         out.response_ids,
         out.response_mask,
         temperature=0.7,
-    )
+    )["log_prob"]
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], np.asarray(logp)[m], atol=1e-4)
 

@@ -16,6 +16,9 @@ ENTRYPOINTS = {"jrl.train", "jrl.eval", "jrl.export", "jrl.bench"}
 RUNTIME = {
     "jrl.sharding",
     "jrl.step",
+    "jrl.logprobs",
+    "jrl.microbatch",
+    "jrl.sft",
     "jrl.rollout",
     "jrl.trainer",
     "jrl.checkpoint",

@@ -1,6 +1,7 @@
-"""Correctness of the step's optimizer bookkeeping: critic warm-up leaves the policy and its
-optimizer untouched (verl skips the actor's update), and the logged learning rate follows the
-optimizer's own count of applied updates (a step skipped by the NaN guard applies none)."""
+"""The step's own contract (jrl/step.py): its optimizer bookkeeping (critic warm-up leaves the
+policy and its optimizer untouched, as verl skips the actor's update; the logged learning rate
+follows the optimizer's own count of applied updates, and a step skipped by the NaN guard applies
+none), the policy loss's randomness, and what an estimator's registry entry asks of the step."""
 
 import os
 import sys
@@ -47,7 +48,8 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     )
     assert any(jax.tree.leaves(moved))
     state, _ = step(state, batch)  # past the warm-up: the policy trains
-    assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)
+    updates = cfg.actor.ppo_epochs * cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    assert int(step_lib.schedule_count(state.opt_state)) == updates
     assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
 
 
@@ -58,13 +60,15 @@ def nan_reward(batch, response_ids, response_mask, *, eos_id):
 def test_logged_lr_follows_applied_updates_after_a_skipped_step():
     """lr warm-up over 4 updates of lr 1e-3, u = 2 updates per step. Step 1 has a NaN reward and
     is skipped (no update applied); step 2's first update is then the optimizer's first: lr 0
-    (warm-up from 0), not 1e-3 * 2 / 4 as `state.step * updates_per_step` said; step 3's is the
+    (warm-up from 0), not 1e-3 * 2 / 4 as state.step * u would say; step 3's is the
     third update: 1e-3 * 2 / 4."""
     cfg = grpo_math.get_config("tiny")
     cfg.warmup.sft_steps = 0
     cfg.actor.lr = 1e-3
     cfg.actor.lr_warmup_steps = 4
-    assert step_lib.updates_per_step(cfg) == 2
+    # u = 2 updates per step: one epoch of 4 prompts in mini-batches of 2
+    actor = cfg.actor
+    assert (actor.ppo_epochs, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (1, 4, 2)
     state, step, batch = setup(cfg)
     _, skip_step, _ = setup(cfg, nan_reward)
     state, metrics = skip_step(state, batch)
