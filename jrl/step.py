@@ -14,7 +14,9 @@ chosen.
 The step is three phases, module-level functions of a `StepSpec` (the config's static choices,
 `make_spec`): `generate` (rollout + reward), `compute_advantages` (old / reference log-probs,
 values, KL in the reward, advantages), `update` (PPO epochs of mini-batch updates); `rl_step`
-chains them and `make_step` binds it to a spec.
+chains them and `make_step` binds it to a spec. The forwards come from `jrl.logprobs`, the
+micro-batches from `jrl.microbatch`, a LoRA run's params from `jrl.models.lora`; what a variant
+needs (an estimator's inputs and critic) the step reads from its registry entry.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def needs_reference(cfg: ml_collections.ConfigDict) -> bool:
 
 
 def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
-    """Estimators that take `values` (gae, group_ppo) train a critic."""
-    return "values" in adv_lib.needs(cfg.algorithm.adv_estimator)
+    """Whether the estimator's registry entry trains a critic (gae, group_ppo)."""
+    return adv_lib.trains_critic(cfg.algorithm.adv_estimator)
 
 
 def bypass_mode(cfg: ml_collections.ConfigDict) -> bool:
@@ -258,7 +260,8 @@ class StepSpec:
         return self.use_critic and self.critic_cfg is None
 
     def needs(self, name: str) -> bool:
-        """Whether the estimator takes the optional input `name`."""
+        """Whether the estimator reads the input `name` (`advantages.INPUTS`): the step
+        computes it only then."""
         return name in adv_lib.needs(self.cfg.algorithm.adv_estimator)
 
 
@@ -463,17 +466,11 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
         exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
         if weights is not None:
             exp["rollout_is_weights"] = weights
-    adv = spec.estimator(
-        token_level_rewards=token_level_rewards,
-        response_mask=mask,
-        index=jnp.arange(b, dtype=jnp.int32) // spec.n,  # the prompt (group) of each row
-        values=exp.get("values"),
-        reward_baselines=exp.get("reward_baselines"),
-        old_log_prob=exp.get("old_log_prob"),
-        threshold=state.group_threshold,
-        sum_pi_squared=exp.get("sum_pi_squared"),
-        rollout_is_weights=exp.get("rollout_is_weights"),
-    )
+    # every estimator input there is, by name (`advantages.INPUTS`); each reads its own
+    index = jnp.arange(b, dtype=jnp.int32) // spec.n  # the prompt (group) of each row
+    given = {**exp, "index": index, "threshold": state.group_threshold}
+    inputs = {k: given[k] for k in adv_lib.INPUTS if k in given}
+    adv = spec.estimator(token_level_rewards=token_level_rewards, response_mask=mask, **inputs)
     metrics.update(adv["metrics"])
     exp.update(
         token_level_rewards=token_level_rewards,

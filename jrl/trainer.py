@@ -124,20 +124,6 @@ def prompt_counts(task) -> dict:
     return out
 
 
-def reward_options(cfg) -> dict:
-    """Keyword options of the Python rewards (jrl.rewards.get_reward)."""
-    t = cfg.task
-    return {
-        "gsm8k": dict(fallback=t.gsm8k_fallback, format_score=t.format_score),
-        "math": dict(
-            format_score=t.format_score,
-            backend=t.math_backend,
-            timeout_s=t.math_timeout_s,
-            num_workers=t.math_workers,
-        ),
-    }.get(t.reward, {})
-
-
 def build(cfg):
     """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
     missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
@@ -152,31 +138,8 @@ def build(cfg):
 
 def _build(cfg):
     tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
-    t = cfg.task
-    common = dict(
-        seed=cfg.seed,
-        eval_size=t.eval_size,
-        max_prompt_length=cfg.data.max_prompt_length or None,
-        max_response_length=cfg.data.max_response_length or None,
-    )
-    if t.name == "arithmetic":
-        task = data.make_task(t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **common)
-    else:
-        given = dict(
-            question_field=t.question_field, answer_field=t.answer_field, template=t.template
-        )
-        task = data.make_task(
-            t.name,
-            tok,
-            train_files=t.train_files,
-            eval_files=t.eval_files,
-            prompt_format=t.prompt_format,
-            system_prompt=t.system_prompt or None,
-            overlong_prompts=t.overlong_prompts,
-            **common,
-            **{k: v for k, v in given.items() if v},
-        )
-    reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
+    task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
+    reward_fn = rewards.get_reward(cfg.task.reward, task, tok, **rewards.reward_options(cfg.task))
     policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
     if len(tok) > policy_cfg.vocab_size:
         raise config_lib.ConfigError(

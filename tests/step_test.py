@@ -110,3 +110,36 @@ def test_the_update_gives_clip_cov_its_random_choice_of_tokens():
     terms = lambda key: step_lib.policy_terms(spec, out, mb, counts, jax.random.key(key))[0]
     assert float(terms(1)) == float(terms(1))
     assert len({float(terms(k)) for k in range(4)}) > 1
+
+
+def test_the_step_reads_an_estimators_entry_for_its_critic_and_inputs(monkeypatch):
+    """A new estimator registered with needs=("values", "index") and critic=True gets a critic
+    and, when the step traces (`jax.eval_shape`: nothing compiles), exactly the inputs the
+    experience holds: the critic's values, the rows' groups, the old log-probs and the
+    threshold, and no greedy baseline or sum_pi_squared it does not read."""
+    from jrl.algos import advantages as adv_lib
+
+    given = []
+
+    def toy(*, token_level_rewards, response_mask, **inputs):
+        given.append({k for k, v in inputs.items() if k in adv_lib.INPUTS and v is not None})
+        return token_level_rewards, token_level_rewards
+
+    monkeypatch.setitem(adv_lib.ESTIMATORS, "toy", adv_lib.Entry(toy, ("values", "index"), True))
+    cfg = grpo_math.get_config("tiny")
+    cfg.warmup.sft_steps = 0
+    cfg.algorithm.adv_estimator = "toy"
+    assert step_lib.needs_critic(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    assert model_cfg.value_head is False
+    assert step_lib.model_configs(cfg, model_cfg)[1].value_head
+    init = lambda: step_lib.init_state(
+        cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
+    )
+    state = jax.eval_shape(init)
+    assert state.critic_params is not None
+    step = step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
+    jax.eval_shape(step, state, task.train_batch(0, step_lib.prompts_per_step(cfg)))
+    assert given == [{"values", "index", "old_log_prob", "threshold"}]
+    with pytest.raises(ValueError, match="critic=True goes with needs=\\('values'"):
+        adv_lib.register("no_values", needs=("index",), critic=True)
