@@ -76,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
     # Forward a group's prompt once for its n responses in the scoring forwards, and in the update
     # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
-    # (jrl.step.prompt_group):
+    # (jrl.logprobs.prompt_group):
     c.model.shared_prompt_forward = True
 
     # "char": built-in character tokenizer; a local HF tokenizer dir; "": model.hf_path

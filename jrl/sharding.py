@@ -141,7 +141,7 @@ def state_shardings(
     coefficient, PRNG key, fields added later) replicated. `policy_axes` / `critic_axes` are
     `jrl.models.transformer.logical_axes` of the model configs of `jrl.step.model_configs`;
     `reference_axes` those of the reference params when they are another tree (LoRA's frozen
-    base; `jrl.step.state_axes` gives all three for a LoRA state).
+    base; `jrl.models.lora.state_axes` gives all three for a LoRA state).
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     out = jax.tree.map(lambda _: replicated, abstract_state)

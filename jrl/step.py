@@ -14,7 +14,9 @@ chosen.
 The step is three phases, module-level functions of a `StepSpec` (the config's static choices,
 `make_spec`): `generate` (rollout + reward), `compute_advantages` (old / reference log-probs,
 values, KL in the reward, advantages), `update` (PPO epochs of mini-batch updates); `rl_step`
-chains them and `make_step` binds it to a spec.
+chains them and `make_step` binds it to a spec. The forwards come from `jrl.logprobs`, the
+micro-batches from `jrl.microbatch`, a LoRA run's params from `jrl.models.lora`; what a variant
+needs (an estimator's inputs and critic) the step reads from its registry entry.
 """
 
 from __future__ import annotations
@@ -29,18 +31,15 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jax.sharding import PartitionSpec
-
-from jrl import config as config_lib
-from jrl import rollout, sharding
+from jrl import logprobs, microbatch, rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
 from jrl.algos import rollout_corr
-from jrl.models import attention as attention_lib
-from jrl.models import lora as lora_lib
 from jrl.models import transformer
+from jrl.models import lora as lora_lib
+from jrl.models.lora import init_lora, lora_on, policy_params, reference_params, with_base
 
 Batch = dict[str, jax.Array]
 
@@ -67,8 +66,8 @@ def needs_reference(cfg: ml_collections.ConfigDict) -> bool:
 
 
 def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
-    """Estimators that take `values` (gae, group_ppo) train a critic."""
-    return "values" in adv_lib.needs(cfg.algorithm.adv_estimator)
+    """Whether the estimator's registry entry trains a critic (gae, group_ppo)."""
+    return adv_lib.trains_critic(cfg.algorithm.adv_estimator)
 
 
 def bypass_mode(cfg: ml_collections.ConfigDict) -> bool:
@@ -95,7 +94,7 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
         and "old_log_prob" not in adv_lib.needs(cfg.algorithm.adv_estimator)
         and not cfg.algorithm.rollout_correction.enable
         and not (needs_critic(cfg) and cfg.critic.share_backbone)
-        and not lora_dropout_on(cfg)
+        and not lora_lib.lora_dropout_on(cfg)
     )
 
 
@@ -146,10 +145,6 @@ def policy_optimizer(cfg) -> optax.GradientTransformation:
     return optax.partition({"actor": actor, "critic": make_optimizer(cfg.critic)}, label)
 
 
-def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
-    return cfg.actor.ppo_epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
-
-
 def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainState:
     """The first train state. `model_cfg` and `params` are the policy's (see `model_configs`); a
     separate critic starts from the policy's weights plus a fresh value head."""
@@ -178,227 +173,6 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
         skipped_steps=jnp.int32(0),
         key=key,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# LoRA (jrl/models/lora.py): `params` / `critic_params` hold only what trains (adapters and value
-# heads, float32), `ref_params` the frozen base (model.dtype), shared by policy, critic and the
-# KL reference (the base with the adapters off). Without LoRA these are the identity.
-
-
-def lora_on(cfg) -> bool:
-    return bool(cfg.lora.rank)
-
-
-def init_lora(cfg, critic_cfg, params, key):
-    """(policy trainable, critic trainable or None, base) of a LoRA run starting from `params`."""
-    base, trainable = lora_lib.init_trainable(params, cfg.lora, jax.random.fold_in(key, 1))
-    critic = None
-    if critic_cfg is not None:  # its own adapters on the same base, and a fresh value head
-        _, head = lora_lib.split(transformer.init_params(critic_cfg, key))
-        _, critic = lora_lib.init_trainable(base, cfg.lora, jax.random.fold_in(key, 2))
-        critic.update(head)
-    return trainable, critic, base
-
-
-def _with_base(cfg, base, trainable, dropout_key=None):
-    """The full params of a model from its trainable part (see `init_lora`); with a
-    `dropout_key` (the update's training forwards) and lora.dropout > 0 the adapters' inputs are
-    dropped (`lora.with_dropout`)."""
-    if not lora_on(cfg) or trainable is None:
-        return trainable
-    full = lora_lib.combine(base, trainable, lora_lib.scale(cfg.lora))
-    return lora_lib.with_dropout(full, cfg.lora.dropout, dropout_key)
-
-
-def lora_dropout_on(cfg) -> bool:
-    """Whether the update's forwards drop adapter inputs (LoRA with lora.dropout > 0)."""
-    return lora_on(cfg) and cfg.lora.dropout > 0
-
-
-def policy_params(cfg, state: TrainState):
-    """The policy's full params (with LoRA: base + adapters)."""
-    return _with_base(cfg, state.ref_params, state.params)
-
-
-def reference_params(cfg, state: TrainState):
-    """The KL reference's params (with LoRA: the policy with its adapters off, no copy)."""
-    if not lora_on(cfg):
-        return state.ref_params
-    return lora_lib.reference(state.ref_params, state.params)
-
-
-def state_axes(cfg, abstract_state: TrainState, policy_axes, critic_axes=None) -> dict:
-    """`jrl.sharding.state_shardings`' logical axes of a train state, from the full models' axes
-    (`transformer.logical_axes`): with LoRA those of the trainable trees and of the base."""
-    if not lora_on(cfg):
-        return dict(policy_axes=policy_axes, critic_axes=critic_axes)
-    critic = abstract_state.critic_params
-    return dict(
-        policy_axes=lora_lib.trainable_axes(policy_axes, abstract_state.params),
-        critic_axes=None if critic is None else lora_lib.trainable_axes(critic_axes, critic),
-        reference_axes={k: policy_axes[k] for k in abstract_state.ref_params},
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def token_log_probs(
-    model_cfg,
-    hidden_BLH,
-    head,
-    targets_BL,
-    temperature: float = 1.0,
-    with_entropy=False,
-    entropy_grad=True,
-    with_sum_pi_squared=False,
-):
-    """(log softmax(logits / T)[target] [B, L], entropy of softmax(logits / T) [B, L] or None),
-    plus sum_v softmax(logits / T)_v^2 [B, L] (no gradient) when `with_sum_pi_squared`,
-    float32, with logits = `transformer.lm_logits(hidden, head)`. `entropy_grad=False`: the
-    entropy is a value only (a metric), no gradient flows through it, so the backward skips its
-    [B, L, V] work. With `logits_chunk_size` c set,
-    the [B, L, V] logits never exist: positions go c at a time through a `lax.map` whose body is
-    rematerialised, so the forward holds one chunk's [B, c, V] logits and the backward recomputes
-    them chunk by chunk (the head's gradient accumulates over chunks)."""
-
-    def chunk(h_BCH, t_BC):
-        # Written around one [B, c, V] array, the logits: the log-partition and the entropy are
-        # reductions over it (log_softmax would materialise a second one, its entropy a third).
-        h_BCH = sharding.constrain(h_BCH, PartitionSpec("batch"))  # rows stay split (a mesh)
-        logits = transformer.lm_logits(model_cfg, h_BCH, head) / temperature
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, t_BC[..., None], -1)[..., 0] - log_z
-        extra = ()
-        if with_sum_pi_squared:
-            p = jax.lax.stop_gradient(jnp.exp(logits - log_z[..., None]))
-            extra = (jnp.sum(p * p, axis=-1),)
-        if not with_entropy:
-            return (logp, None, *extra)
-        if not entropy_grad:
-            logits, log_z = jax.lax.stop_gradient((logits, log_z))
-        p = jnp.exp(logits - log_z[..., None])  # H = log Z - sum_v p_v logit_v (finite logits)
-        return (logp, log_z - jnp.sum(p * logits, axis=-1), *extra)
-
-    b, l, _ = hidden_BLH.shape
-    c = model_cfg.logits_chunk_size
-    if not c or c >= l:
-        return chunk(hidden_BLH, targets_BL)
-    pad = -l % c  # the last chunk is padded (its extra positions are dropped)
-    hidden_BLH = jnp.pad(hidden_BLH, ((0, 0), (0, pad), (0, 0)))
-    targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
-    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)
-    from_chunks = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :l]
-    out = jax.lax.map(
-        lambda xs: jax.checkpoint(chunk)(*xs), (to_chunks(hidden_BLH), to_chunks(targets_BL))
-    )
-    return tuple(from_chunks(x) for x in out)
-
-
-def response_outputs(
-    model_cfg,
-    params,
-    prompt_ids_BP,
-    prompt_mask_BP,
-    response_ids_BR,
-    response_mask_BR,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    with_sum_pi_squared: bool = False,
-    group: int = 1,
-) -> dict[str, jax.Array]:
-    """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
-    `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
-    `entropy` of that distribution (if asked; without a gradient unless `entropy_grad`),
-    `values` = V(prompt, y_<t) (with a value head), `sum_pi_squared` = sum_v pi(v)^2 (if asked).
-    Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`).
-    `group` = n > 1: every n consecutive rows share their prompt (a GRPO group); where
-    `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`;
-    responses padded only after their last real token, as the rollout writes them)."""
-    p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
-    if group > 1 and grouped_forward_suits(model_cfg, length):
-        prompts = slice(None, None, group)  # the first row of each group
-        hidden, head, values, _ = transformer.grouped_response_forward(
-            model_cfg, params, prompt_ids_BP[prompts], prompt_mask_BP[prompts], response_ids_BR
-        )
-    else:
-        ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
-        mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-        hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
-        hidden, values = hidden[:, p - 1 : -1], None if values is None else values[:, p - 1 : -1]
-    out = {}
-    if head is not None:
-        log_prob, entropy, *extra = token_log_probs(
-            model_cfg,
-            hidden,
-            head,
-            response_ids_BR,
-            temperature,
-            with_entropy,
-            entropy_grad,
-            with_sum_pi_squared,
-        )
-        out["log_prob"] = log_prob
-        if with_entropy:
-            out["entropy"] = entropy
-        if with_sum_pi_squared:
-            out["sum_pi_squared"] = extra[0]
-    if values is not None:
-        out["values"] = values
-    return out
-
-
-def grouped_forward_suits(model_cfg, length: int) -> bool:
-    """Whether a forward of `length` tokens per row may run each group's prompt once: without
-    remat (the grouped forward runs the layers one by one, as the rollout does) and where the
-    full forward's attention would be the materialised "xla" one (short rows: the grouped
-    forward attends through a [rows, R, P + R] mask, no more memory than that)."""
-    impl = attention_lib.resolve_implementation(
-        model_cfg.attention,
-        seq_len=length,
-        head_dim=model_cfg.head_size,
-        dtype=model_cfg.dtype,
-        softcap=model_cfg.attn_logit_softcapping,
-        block_size=model_cfg.attention_block_size,
-    )
-    return model_cfg.remat == "none" and impl == "xla"
-
-
-def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[str, int]:
-    """Rows per prompt that the forwards of "log_prob", "actor" and "critic" share
-    (`model.shared_prompt_forward`): n when it is on and every micro-batch of that forward
-    (`micro_batch_counts`) holds whole groups, else 1. In the update only with one mini-batch per
-    epoch (several are drawn row by row, as before: in the default demo, mini-batches of whole
-    groups learnt less) and without LoRA dropout (a mask per row, prompt included)."""
-    n = cfg.rollout.n
-    prompts = {
-        "log_prob": cfg.data.train_batch_size,
-        "actor": cfg.actor.ppo_mini_batch_size,
-        "critic": cfg.actor.ppo_mini_batch_size,
-    }
-    on = cfg.model.shared_prompt_forward and n > 1
-    one_mini_batch = cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
-    update_ok = one_mini_batch and not lora_dropout_on(cfg)
-    suits = {"log_prob": True, "actor": update_ok, "critic": update_ok}
-    whole = lambda name: prompts[name] % micro[name] == 0
-    return {name: n if on and whole(name) and suits[name] else 1 for name in micro}
-
-
-def response_logprobs(
-    model_cfg,
-    params,
-    prompt_ids,
-    prompt_mask,
-    response_ids,
-    response_mask,
-    temperature: float = 1.0,
-):
-    """log pi(y_t | prompt, y_<t) [B, R] (see `response_outputs`)."""
-    return response_outputs(
-        model_cfg, params, prompt_ids, prompt_mask, response_ids, response_mask, temperature
-    )["log_prob"]
 
 
 def last_token_scores(scores_B, response_mask_BR):
@@ -460,88 +234,6 @@ def prompts_per_step(cfg: ml_collections.ConfigDict) -> int:
     return cfg.data.train_batch_size * (fg.max_num_gen_batches if fg.enable else 1)
 
 
-def micro_batch_counts(cfg: ml_collections.ConfigDict, mesh=None) -> dict[str, int]:
-    """How many micro-batches each forward / backward is split into (verl's sizes, in rows per
-    device): "log_prob" (old / reference log-probs and values of a step's B rows,
-    rollout.log_prob_micro_batch_size_per_device), "actor" and "critic" (a mini-batch's rows,
-    actor / critic.ppo_micro_batch_size_per_device). A size of 0 means one micro-batch. Raises
-    ConfigError, naming the field and the fix, when a size does not divide the rows a device
-    holds (rows over the mesh's batch axes; no mesh: one device)."""
-    n = cfg.rollout.n
-    sizes = {
-        "log_prob": ("rollout.log_prob_micro_batch_size_per_device", cfg.data.train_batch_size * n),
-        "actor": ("actor.ppo_micro_batch_size_per_device", cfg.actor.ppo_mini_batch_size * n),
-        "critic": ("critic.ppo_micro_batch_size_per_device", cfg.actor.ppo_mini_batch_size * n),
-    }
-    counts = {}
-    for name, (field, rows) in sizes.items():
-        size = cfg[field.split(".")[0]][field.split(".")[1]]
-        per_device = (
-            rows if mesh is None else sharding.batch_sharding(mesh, rows).shard_shape((rows,))[0]
-        )
-        if size < 0 or (size and per_device % size):
-            raise config_lib.ConfigError(
-                f"{field}={size} does not divide the {per_device} rows each device holds "
-                f"({rows} rows over {rows // per_device} device(s)); use a divisor of "
-                f"{per_device}, or 0 for one micro-batch."
-            )
-        counts[name] = per_device // size if size else 1
-    return counts
-
-
-def split_rows(tree, k: int, group: int = 1):
-    """[rows, ...] -> [k, rows / k, ...] in blocks of `group` consecutive rows: micro-batch i
-    holds blocks i, i + k, i + 2k, ..., so each is spread over the devices like the whole batch
-    (pinned there under a mesh) and keeps a group's rows together."""
-
-    def split(x):
-        blocks = x.reshape(x.shape[0] // (k * group), k, group, *x.shape[1:]).swapaxes(0, 1)
-        return blocks.reshape(k, -1, *x.shape[1:])
-
-    return sharding.constrain(jax.tree.map(split, tree), PartitionSpec(None, "batch"))
-
-
-def join_rows(tree, group: int = 1):
-    """The inverse of `split_rows`."""
-
-    def join(x):
-        k = x.shape[0]
-        blocks = x.reshape(k, -1, group, *x.shape[2:]).swapaxes(0, 1)
-        return blocks.reshape(-1, *x.shape[2:])
-
-    return jax.tree.map(join, tree)
-
-
-def in_micro_batches(fn: Callable, rows, k: int, group: int = 1):
-    """fn(rows) computed k micro-batches at a time (`lax.map`), results in row order."""
-    if k == 1:
-        return fn(rows)
-    return join_rows(jax.lax.map(fn, split_rows(rows, k, group)), group)
-
-
-def accumulate_grads(loss_fn: Callable, params, batch, k: int, *args, key=None, group: int = 1):
-    """(gradient, metrics) of `loss_fn(params, batch, *args) -> (loss, metrics)` over `batch` in k
-    micro-batches: one forward / backward each (`lax.scan`), gradients summed in float32. The loss
-    and every metric of a micro-batch must be its share of the whole batch's (normalised by the
-    whole batch: `losses.batch_counts`), so the sums equal the whole batch's. With a `key` (LoRA
-    dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`. `group`: see `split_rows`."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
-    keys = None if key is None else jax.random.split(key, k)
-    with_key = lambda kk: {} if kk is None else {"key": kk}
-    if k == 1:
-        return grad_fn(params, batch, *args, **with_key(None if keys is None else keys[0]))
-
-    def micro(acc, xs):
-        mb, kk = xs
-        grads, metrics = grad_fn(params, mb, *args, **with_key(kk))
-        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), metrics
-
-    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-    grads, metrics = jax.lax.scan(micro, zeros, (split_rows(batch, k, group), keys))
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """What the phases of a step read, fixed once from the config (static at trace time): the
@@ -556,8 +248,10 @@ class StepSpec:
     eos_id: int
     pad_id: int
     max_new_tokens: int
-    micro: dict  # micro-batch counts of "log_prob", "actor", "critic" (`micro_batch_counts`)
-    group: dict  # rows per prompt that the forwards share (`prompt_group`): n, or 1, per forward
+    # micro-batch counts of "log_prob", "actor", "critic" (`microbatch.micro_batch_counts`)
+    micro: dict
+    # rows per prompt that the forwards share (`logprobs.prompt_group`): n, or 1, per forward
+    group: dict
     policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
     estimator: Callable  # (token_level_rewards=, response_mask=, index=, ...) -> advantages, ...
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
@@ -581,7 +275,8 @@ class StepSpec:
         return self.use_critic and self.critic_cfg is None
 
     def needs(self, name: str) -> bool:
-        """Whether the estimator takes the optional input `name`."""
+        """Whether the estimator reads the input `name` (`advantages.INPUTS`): the step
+        computes it only then."""
         return name in adv_lib.needs(self.cfg.algorithm.adv_estimator)
 
 
@@ -598,7 +293,7 @@ def make_spec(
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
     sizes divide."""
-    micro = micro_batch_counts(cfg, mesh)
+    micro = microbatch.micro_batch_counts(cfg, mesh)
     return StepSpec(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -608,7 +303,7 @@ def make_spec(
         pad_id=pad_id,
         max_new_tokens=max_new_tokens,
         micro=micro,
-        group=prompt_group(cfg, micro),
+        group=logprobs.prompt_group(cfg, micro),
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
         estimator=adv_lib.make_estimator(cfg.algorithm),
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
@@ -713,7 +408,7 @@ def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs
     """`response_outputs` of `rows` (prompt + response) at the rollout's temperature; the
     entropy, when asked for, has a gradient only if the loss uses it (entropy_coeff != 0).
     `name`: "log_prob", "actor" or "critic", whose `spec.group` applies."""
-    return response_outputs(
+    return logprobs.response_outputs(
         model_cfg,
         params,
         rows["input_ids"],
@@ -745,7 +440,7 @@ def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
     if spec.use_critic and spec.shared:
         out["values"] = old["values"]
     elif spec.use_critic:
-        critic_params = _with_base(cfg, state.ref_params, state.critic_params)
+        critic_params = with_base(cfg, state.ref_params, state.critic_params)
         out["values"] = forward(spec, spec.critic_cfg, critic_params, rows, "log_prob")["values"]
     return out
 
@@ -757,7 +452,8 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     b = mask.shape[0]
     rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
     score = lambda r: score_forwards(spec, state, r)
-    scored = in_micro_batches(score, rows, spec.micro["log_prob"], spec.group["log_prob"])
+    micro, group = spec.micro["log_prob"], spec.group["log_prob"]
+    scored = microbatch.in_micro_batches(score, rows, micro, group)
     exp = {**exp, **jax.lax.stop_gradient(scored)}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
@@ -787,17 +483,11 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
         exp["policy_mask"] = mask  # the rejection-masked response_mask of the losses
         if weights is not None:
             exp["rollout_is_weights"] = weights
-    adv = spec.estimator(
-        token_level_rewards=token_level_rewards,
-        response_mask=mask,
-        index=jnp.arange(b, dtype=jnp.int32) // spec.n,  # the prompt (group) of each row
-        values=exp.get("values"),
-        reward_baselines=exp.get("reward_baselines"),
-        old_log_prob=exp.get("old_log_prob"),
-        threshold=state.group_threshold,
-        sum_pi_squared=exp.get("sum_pi_squared"),
-        rollout_is_weights=exp.get("rollout_is_weights"),
-    )
+    # every estimator input there is, by name (`advantages.INPUTS`); each reads its own
+    index = jnp.arange(b, dtype=jnp.int32) // spec.n  # the prompt (group) of each row
+    given = {**exp, "index": index, "threshold": state.group_threshold}
+    inputs = {k: given[k] for k in adv_lib.INPUTS if k in given}
+    adv = spec.estimator(token_level_rewards=token_level_rewards, response_mask=mask, **inputs)
     metrics.update(adv["metrics"])
     exp.update(
         token_level_rewards=token_level_rewards,
@@ -869,7 +559,7 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
     frozen base under LoRA (`params` are then the adapters), else None. `actor_on` (0 / 1): 0
     during critic warm-up, when only a shared value head's loss trains the network. `key`: the
     micro-batch's randomness (LoRA dropout, then the policy loss's)."""
-    full = _with_base(spec.cfg, base, params, key)
+    full = with_base(spec.cfg, base, params, key)
     out = forward(spec, spec.model_cfg, full, mb, "actor", with_entropy=True)
     loss, metrics = policy_terms(spec, out, mb, counts["policy"], jax.random.fold_in(key, 1))
     if spec.shared:
@@ -880,7 +570,7 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
 
 
 def critic_loss(critic_params, mb: Batch, spec: StepSpec, counts, base, key):
-    full = _with_base(spec.cfg, base, critic_params, key)
+    full = with_base(spec.cfg, base, critic_params, key)
     out = forward(spec, spec.critic_cfg, full, mb, "critic")
     return value_terms(spec, out, mb, counts["value"])
 
@@ -915,7 +605,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
     actor_key, critic_key = jax.random.split(key)  # policy and critic draw their own masks
     counts = mini_batch_counts(spec, mb)
     base = state.ref_params if lora_on(spec.cfg) else None
-    grads, metrics = accumulate_grads(
+    grads, metrics = microbatch.accumulate_grads(
         actor_loss,
         state.params,
         mb,
@@ -930,7 +620,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
     if spec.use_critic and not spec.shared:
-        critic_grads, critic_metrics = accumulate_grads(
+        critic_grads, critic_metrics = microbatch.accumulate_grads(
             critic_loss,
             state.critic_params,
             mb,
@@ -1073,64 +763,3 @@ def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)
     metrics["perf/total_num_tokens"] = jnp.sum(length) + jnp.sum(prompt_length)
     return metrics
-
-
-def make_eval(
-    model_cfg: transformer.ModelConfig,
-    reward_fn: Callable,
-    *,
-    eos_id: int,
-    pad_id: int,
-    max_new_tokens: int,
-    num_samples: int = 0,
-):
-    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
-    with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
-    "samples/response_ids" and "samples/response_mask" [num_samples, R], "samples/score"
-    [num_samples] (jrl.samples splits them off the metrics)."""
-
-    def evaluate(params, batch: Batch):
-        out = rollout.generate(
-            model_cfg,
-            params,
-            batch["input_ids"],
-            batch["attention_mask"],
-            jax.random.key(0),
-            max_new_tokens=max_new_tokens,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            greedy=True,
-        )
-        scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
-        metrics = {
-            "val/accuracy": jnp.mean(scores),
-            "val/response_length": jnp.mean(jnp.sum(out.response_mask, -1).astype(jnp.float32)),
-        }
-        if num_samples:
-            metrics["samples/response_ids"] = out.response_ids[:num_samples]
-            metrics["samples/response_mask"] = out.response_mask[:num_samples]
-            metrics["samples/score"] = scores[:num_samples]
-        return metrics
-
-    return evaluate
-
-
-def make_sft_step(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig):
-    """Supervised warm-up: `(params, opt_state, batch) -> (params, opt_state, loss)` on the task's
-    reference answers (`answer_ids`, answer plus EOS), mean negative log-likelihood per token."""
-    tx = optax.adam(cfg.warmup.sft_lr)
-
-    def loss_fn(params, batch):
-        target = batch["answer_ids"]
-        mask = (jnp.arange(target.shape[1])[None] <= batch["answer_len"][:, None]).astype(jnp.int32)
-        out = response_outputs(
-            model_cfg, params, batch["input_ids"], batch["attention_mask"], target, mask
-        )
-        return -jnp.sum(out["log_prob"] * mask) / jnp.sum(mask)
-
-    def sft_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return tx, sft_step

@@ -16,10 +16,9 @@ import optax
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jrl import data
+from jrl import data, sft
 from jrl.run import checkpoint as checkpoint_lib
-from jrl.run import console, samples, trainer
-from jrl import step as step_lib
+from jrl.run import console, samples
 from jrl import tokenizer as tokenizer_lib
 from conftest import REPO
 from configs import grpo_math
@@ -246,9 +245,7 @@ def test_warmup_stops_at_the_first_step_reaching_the_target(monkeypatch):
         def train_batch(self, step, batch_size, stream=0):
             return {"x": np.zeros(1)}
 
-    monkeypatch.setattr(step_lib, "make_sft_step", make_sft_step)
-    params, steps, accuracy = trainer.sft_warmup(
-        cfg, None, Task(), {"n": jnp.int32(0)}, accuracy_fn
-    )
+    monkeypatch.setattr(sft, "make_sft_step", make_sft_step)
+    params, steps, accuracy = sft.sft_warmup(cfg, None, Task(), {"n": jnp.int32(0)}, accuracy_fn)
     assert (steps, accuracy, int(params["n"])) == (15, 0.30, 15)
     assert checked == [0, 10, 11, 12, 13, 14, 15]

@@ -259,6 +259,25 @@ def test_registry(tok, files):
     assert task.name == "custom" and task.answer_format is None
 
 
+def test_task_options_bind_the_config_beside_the_registry_entry():
+    from jrl import config as config_lib
+
+    cfg = config_lib.base_config()
+    cfg.seed, cfg.data.max_prompt_length, cfg.data.max_response_length = 3, 0, 64
+    cfg.task.num_digits, cfg.task.ops = 1, "+-"
+    assert data.task_options(cfg) == dict(
+        seed=3, eval_size=256, max_prompt_length=None, max_response_length=64,
+        num_digits=1, ops=("+", "-"),
+    )  # fmt: skip
+    cfg.task.name, cfg.task.train_files, cfg.task.template = "gsm8k", "a.jsonl", "Q: {question}"
+    cfg.task.system_prompt, cfg.task.eval_size = "", 5  # empty fields: the task's defaults
+    assert data.task_options(cfg) == dict(
+        seed=3, eval_size=5, max_prompt_length=None, max_response_length=64,
+        train_files="a.jsonl", eval_files="", prompt_format="plain", system_prompt=None,
+        overlong_prompts="drop", template="Q: {question}",
+    )  # fmt: skip
+
+
 def test_rows_pick_a_hosts_share_of_the_same_batch(tok, files):
     task = make(tok, files)
     whole = task.train_batch(3, 4)

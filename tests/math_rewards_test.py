@@ -339,6 +339,22 @@ def test_get_reward_errors(task, helpers):
     assert math_reward.score_fn.checker.backend == "sympy"
 
 
+def test_reward_options_bind_the_task_section():
+    from jrl import config as config_lib
+
+    t = config_lib.base_config().task
+    t.format_score, t.math_backend, t.math_timeout_s, t.math_workers = 0.1, "sympy", 2.0, 3
+    t.gsm8k_fallback = "none"
+    t.reward = "math"
+    want = dict(format_score=0.1, backend="sympy", timeout_s=2.0, num_workers=3)
+    assert rewards.reward_options(t) == want
+    t.reward = "gsm8k"
+    assert rewards.reward_options(t) == dict(fallback="none", format_score=0.1)
+    for name in ("format", "arithmetic_exact_match", "my_pkg.mod:fn"):  # nothing from the config
+        t.reward = name
+        assert rewards.reward_options(t) == {}
+
+
 def test_sympy_parser_sees_only_whitelisted_text():
     for attack in ["__import__('os').system('true')", "(1).real", "x.__class__", "\\exec{1}"]:
         with pytest.raises(ValueError, match="unsupported characters"):

@@ -74,7 +74,7 @@ def test_progress_bar_shows_kl_only_with_a_kl_term(use_kl_loss, use_kl_in_reward
     cfg = config_lib.base_config()
     cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward = use_kl_loss, use_kl_in_reward
     out = io.StringIO()
-    bar = logging_lib.ProgressBar(2, kl=trainer.kl_metric(cfg), file=out)
+    bar = metric_writers.ProgressBar(2, kl=trainer.kl_metric(cfg), file=out)
     metrics = {
         "critic/score/mean": 0.5,
         "actor/ppo_kl": 0.0,  # one update per step: no policy change to measure, always 0

@@ -10,7 +10,16 @@ from jrl import data, rewards
 from jrl.models import attention, hf, transformer
 from jrl.registry import Registry, UnknownName
 
-RUNTIME = ("jrl.sharding", "jrl.step", "jrl.train", "jrl.eval", "jrl.rollout", "jrl.algos")
+RUNTIME = (
+    "jrl.sharding",
+    "jrl.step",
+    "jrl.logprobs",
+    "jrl.microbatch",
+    "jrl.train",
+    "jrl.eval",
+    "jrl.rollout",
+    "jrl.algos",
+)
 
 
 def imported_by(module: str) -> set[str]:

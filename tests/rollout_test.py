@@ -7,7 +7,7 @@ import pytest
 
 from jrl import rollout
 from jrl.models import transformer as tfm
-from jrl.step import response_logprobs
+from jrl.logprobs import response_outputs
 from conftest import tiny_model
 
 CFG = tiny_model(11)
@@ -71,7 +71,7 @@ def test_mask_is_one_through_first_eos_and_zero_after(gen):
 
 def test_sampled_log_probs_equal_recomputed_ones(gen, params):
     out = gen(jax.random.key(3), temperature=0.7)
-    logp = response_logprobs(
+    logp = response_outputs(
         CFG,
         params,
         jnp.asarray(PROMPTS),
@@ -79,7 +79,7 @@ def test_sampled_log_probs_equal_recomputed_ones(gen, params):
         out.response_ids,
         out.response_mask,
         temperature=0.7,
-    )
+    )["log_prob"]
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], np.asarray(logp)[m], atol=1e-4)
 

@@ -1,6 +1,6 @@
 """The shared-prompt forward (`model.shared_prompt_forward`): running each group's prompt once
 and its n responses over the prompt's keys and values gives the full forward's log-probs,
-values and gradients; micro-batches keep a group's rows together; scoring and the update are
+values and gradients; scoring and the update are
 those of the full forward; `prompt_group` turns it off where it does not apply. (The fused step
 with it on against the lean step, where it is off: lean_step_test.)"""
 
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrl import logprobs
 from jrl import step as step_lib
 from jrl.models import transformer as tfm
 
@@ -47,10 +48,10 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     params = model_test._random_params(cfg)
 
     def outputs(params, group):
-        out = step_lib.response_outputs(cfg, params, *batch, 0.8, with_entropy=True, group=group)
+        out = logprobs.response_outputs(cfg, params, *batch, 0.8, with_entropy=True, group=group)
         return out, jnp.sum(out["log_prob"] * batch[3]) + jnp.sum(out["values"] * batch[3])
 
-    assert step_lib.grouped_forward_suits(cfg, 11)
+    assert logprobs.grouped_forward_suits(cfg, 11)
     grad = lambda group: jax.grad(lambda q: outputs(q, group)[1])(params)
     want, got = outputs(params, 1)[0], outputs(params, n)[0]
     for k in ("log_prob", "entropy", "values"):  # at the response's real tokens
@@ -59,18 +60,8 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), grad(n), grad(1))
     # A prompt's gradient is the sum over its rows: break one row's prompt and it shows.
     other = (batch[0].at[1, -1].set(batch[0][1, -1] % (cfg.vocab_size - 1) + 1), *batch[1:])
-    moved = step_lib.response_outputs(cfg, params, *other, 0.8, group=1)["log_prob"]
+    moved = logprobs.response_outputs(cfg, params, *other, 0.8, group=1)["log_prob"]
     assert np.abs(np.asarray(moved - want["log_prob"])[1][mask[1]]).max() > 1e-4
-
-
-def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
-    rows = jnp.arange(12)
-    split = step_lib.split_rows(rows, 2, group=3)
-    np.testing.assert_array_equal(split, [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]])
-    np.testing.assert_array_equal(step_lib.join_rows(split, group=3), rows)
-    plain = step_lib.split_rows(rows, 2)  # group 1: rows i, i + k, ...
-    np.testing.assert_array_equal(plain, [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]])
-    np.testing.assert_array_equal(step_lib.join_rows(plain), rows)
 
 
 def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
@@ -79,23 +70,23 @@ def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
     n = cfg.rollout.n
     assert n > 1
     micro = {"log_prob": 1, "actor": 1, "critic": 1}
-    assert step_lib.prompt_group(cfg, micro) == {k: n for k in micro}
+    assert logprobs.prompt_group(cfg, micro) == {k: n for k in micro}
     split = {"log_prob": 1, "actor": 8, "critic": 4}  # actor: half a group per micro-batch
-    assert step_lib.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
+    assert logprobs.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
     two = tiny_config(**{"actor.ppo_mini_batch_size": 2})  # two mini-batches: rows drawn at random
-    assert step_lib.prompt_group(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
+    assert logprobs.prompt_group(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
     off = tiny_config(**{"model.shared_prompt_forward": False})
-    assert step_lib.prompt_group(off, micro) == {k: 1 for k in micro}
+    assert logprobs.prompt_group(off, micro) == {k: 1 for k in micro}
     single = tiny_config(**{"rollout.n": 1})
-    assert step_lib.prompt_group(single, micro) == {k: 1 for k in micro}
+    assert logprobs.prompt_group(single, micro) == {k: 1 for k in micro}
     dropout = tiny_config(**{"actor.ppo_mini_batch_size": 4, "lora.rank": 4, "lora.dropout": 0.1})
-    assert step_lib.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
+    assert logprobs.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
 
 
 def test_grouped_forward_is_off_with_remat_or_blockwise_attention():
-    assert not step_lib.grouped_forward_suits(dataclasses.replace(LLAMA, remat="block"), 11)
+    assert not logprobs.grouped_forward_suits(dataclasses.replace(LLAMA, remat="block"), 11)
     blockwise = dataclasses.replace(LLAMA, attention="blockwise", attention_block_size=4)
-    assert not step_lib.grouped_forward_suits(blockwise, 11)
+    assert not logprobs.grouped_forward_suits(blockwise, 11)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])

@@ -26,14 +26,15 @@ norm_adv_by_std_in_grpo, f_norm, group_params) once from the config section and 
 "critic_mask", "metrics", "next_threshold", ...}`, the same keys for every estimator (see
 `make_estimator`).
 
-Register a new estimator with `@register("name", needs=("index",))`. It returns either
-`(advantages, returns)` or a dict holding at least those two keys (and any of the others above,
-plus extras such as `group_ppo`'s "token_returns"). Shared recurrences live in
+Register a new estimator with `@register("name", needs=("index",))` (the inputs of `INPUTS` it
+reads; `critic=True` for one that reads a critic's values, so the step trains one). It returns
+either `(advantages, returns)` or a dict holding at least those two keys (and any of the others
+above, plus extras such as `group_ppo`'s "token_returns"). Shared recurrences live in
 `jrl.algos.recurrences`; GROUP-PPO's maths in `jrl.algos.group_ppo` (registered here).
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -47,31 +48,55 @@ from jrl.registry import Registry
 GRPO_EPS = 1e-6  # verl's `epsilon` in the group-normalised estimators
 
 Estimator = Callable[..., Any]  # -> (advantages, returns) or a dict (see the module docstring)
-ESTIMATORS = Registry("advantage estimator")
-_NEEDS: dict[str, tuple[str, ...]] = {}  # name -> optional inputs that estimator requires
-_OPTIONAL_INPUTS = (
-    "index",
-    "values",
-    "reward_baselines",
-    "old_log_prob",
-    "threshold",
-    "sum_pi_squared",
-    "rollout_is_weights",
-)
 
 
-def register(name: str, needs: Sequence[str] = ()):
-    """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values,
-    reward_baselines, old_log_prob, threshold, sum_pi_squared, rollout_is_weights, **params)`
-    under `name`, `params` being those of `estimator_params` (take `**_` for the inputs and
-    parameters you do not use); `needs` names the optional inputs it cannot run without."""
-    unknown = set(needs) - set(_OPTIONAL_INPUTS)
+class Input(NamedTuple):
+    """An input an estimator may read besides `token_level_rewards` and `response_mask`."""
+
+    shape: str  # "row" [B], "token" [B, T] (zeroed where response_mask == 0) or "scalar" []
+    dtype: Any
+    always: bool  # the step always has it for an estimator that reads it (else: None at times)
+
+
+# Every input an estimator may read, by its keyword name; the step passes these under the same
+# names (from its experience, the group of each row and the train state), `make_estimator`
+# checks and casts them. A new input is one line here, and its producer in the step.
+INPUTS: dict[str, Input] = {
+    "index": Input("row", jnp.int32, True),  # the group (prompt) of each row
+    "values": Input("token", jnp.float32, True),  # the critic's V(prompt, y_<t)
+    "reward_baselines": Input("row", jnp.float32, True),  # ReMax: a greedy answer's reward
+    "old_log_prob": Input("token", jnp.float32, True),  # log pi_old(y_t)
+    "threshold": Input("scalar", jnp.float32, True),  # GROUP-PPO's tau (the train state's)
+    "sum_pi_squared": Input("token", jnp.float32, True),  # sum_v pi_old(v)^2 at each position
+    "rollout_is_weights": Input("token", jnp.float32, False),  # rollout correction's IS weights
+}
+
+
+class Entry(NamedTuple):
+    """An estimator's registry entry: the function, what it reads, whether it trains a critic."""
+
+    fn: Estimator
+    needs: tuple[str, ...]  # the INPUTS it reads (the step computes those only for it)
+    critic: bool  # it trains a critic, whose values it reads (`needs` holds "values")
+
+
+ESTIMATORS = Registry("advantage estimator")  # name -> Entry
+
+
+def register(name: str, needs: Sequence[str] = (), critic: bool = False):
+    """Decorator: registers `fn(*, token_level_rewards, response_mask, index, values, ...,
+    **params)` under `name`, with every input of INPUTS (None where not given) and `params` those
+    of `estimator_params` (take `**_` for the inputs and parameters you do not use); `needs` names
+    the inputs it reads, `critic` whether the step trains a critic for it (then it reads
+    "values")."""
+    unknown = set(needs) - set(INPUTS)
     if unknown:
-        raise ValueError(f"unknown inputs {sorted(unknown)}; valid: {', '.join(_OPTIONAL_INPUTS)}.")
+        raise ValueError(f"unknown inputs {sorted(unknown)}; valid: {', '.join(INPUTS)}.")
+    if critic != ("values" in needs):
+        raise ValueError(f"estimator {name!r}: critic=True goes with needs=('values', ...).")
 
     def decorator(fn: Estimator) -> Estimator:
-        ESTIMATORS.add(name, fn)
-        _NEEDS[name] = tuple(needs)
+        ESTIMATORS.add(name, Entry(fn, tuple(needs), critic))
         return fn
 
     return decorator
@@ -83,9 +108,13 @@ def names() -> list[str]:
 
 
 def needs(name: str) -> tuple[str, ...]:
-    """The optional inputs (`index`, `values`, ...) the estimator `name` cannot run without."""
-    ESTIMATORS.get(name)
-    return _NEEDS[name]
+    """The inputs of INPUTS (`index`, `values`, ...) the estimator `name` reads."""
+    return ESTIMATORS.get(name).needs
+
+
+def trains_critic(name: str) -> bool:
+    """Whether the step trains a critic for the estimator `name` (it reads its values)."""
+    return ESTIMATORS.get(name).critic
 
 
 def estimator_params(algorithm) -> dict[str, Any]:
@@ -101,19 +130,24 @@ def estimator_params(algorithm) -> dict[str, Any]:
     }
 
 
-def _token_input(x, mask):
-    """An optional [B, T] input as float32, 0 where mask == 0 (None stays None)."""
+def _prepare(name: str, x, mask):
+    """Input `name` checked against INPUTS and cast; a token input is 0 where mask == 0 (None
+    stays None)."""
     if x is None:
         return None
-    chex.assert_equal_shape([mask, x])
-    return zero_masked(jnp.asarray(x, jnp.float32), mask)
+    spec = INPUTS[name]
+    x = jnp.asarray(x, spec.dtype)
+    if spec.shape == "token":
+        chex.assert_equal_shape([mask, x])
+        return zero_masked(x, mask)
+    chex.assert_shape(x, {"row": mask.shape[:1], "scalar": ()}[spec.shape])
+    return x
 
 
 def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
     """The estimator named by `algorithm.adv_estimator`, its parameters bound from the section:
 
-        fn(*, token_level_rewards, response_mask, index, values=None, reward_baselines=None,
-           old_log_prob=None, threshold=None, sum_pi_squared=None, rollout_is_weights=None)
+        fn(*, token_level_rewards, response_mask, **inputs)
         -> {"advantages", "returns", "critic_mask", "next_threshold", "metrics", ...}
 
       advantages [B, T], returns [B, T]  0 where response_mask == 0, no gradient
@@ -123,74 +157,34 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
       next_threshold                     group_ppo: the adapted threshold for the next step;
                                          others: `threshold` as passed (None if not passed)
     plus estimator-specific extras (group_ppo: "token_returns" [B, T], the per-token GAE returns).
-    `index` [B] is each row's group (prompt) id (None for estimators that need none);
-    `old_log_prob` [B, T] is read by `group_ppo` and the optimal-token-baseline estimators,
-    `threshold` (float32 scalar) by `group_ppo`: pass the train state's always, so switching
-    estimators needs no other change; `sum_pi_squared` [B, T] (sum_v pi_old(v)^2 at each
-    position) and `rollout_is_weights` [B, T] by the optimal-token-baseline estimators.
+    `inputs` are any of INPUTS by name (`index` [B], each row's group id; `values`,
+    `old_log_prob`, ... [B, T]; `threshold`, a float32 scalar: pass the train state's always, so
+    switching estimators needs no other change); an input the estimator reads (`needs`) and
+    cannot run without raises ValueError when missing, an unknown name TypeError.
     """
     name = algorithm.adv_estimator
-    estimator = ESTIMATORS.get(name)
+    entry = ESTIMATORS.get(name)
     params = estimator_params(algorithm)
 
     def estimate(
-        *,
-        token_level_rewards: jax.Array,
-        response_mask: jax.Array,
-        index: jax.Array | None,
-        values: jax.Array | None = None,
-        reward_baselines: jax.Array | None = None,
-        old_log_prob: jax.Array | None = None,
-        threshold: jax.Array | None = None,
-        sum_pi_squared: jax.Array | None = None,
-        rollout_is_weights: jax.Array | None = None,
+        *, token_level_rewards: jax.Array, response_mask: jax.Array, **inputs
     ) -> dict[str, Any]:
-        given = {
-            "index": index,
-            "values": values,
-            "reward_baselines": reward_baselines,
-            "old_log_prob": old_log_prob,
-            "threshold": threshold,
-            "sum_pi_squared": sum_pi_squared,
-            "rollout_is_weights": rollout_is_weights,
-        }
-        missing = [k for k in _NEEDS[name] if given[k] is None]
+        unknown = set(inputs) - set(INPUTS)
+        if unknown:
+            raise TypeError(f"unknown estimator inputs {sorted(unknown)}; valid: {list(INPUTS)}.")
+        missing = [k for k in entry.needs if INPUTS[k].always and inputs.get(k) is None]
         if missing:
             raise ValueError(f"advantage estimator {name!r} needs {', '.join(missing)}.")
         mask = jnp.asarray(response_mask, jnp.float32)
         chex.assert_rank(mask, 2)
         chex.assert_equal_shape([mask, token_level_rewards])
-        batch = mask.shape[0]
-        if index is not None:
-            chex.assert_shape(index, (batch,))
-            index = jnp.asarray(index, jnp.int32)
-        values, old_log_prob, sum_pi_squared, rollout_is_weights = (
-            _token_input(x, mask)
-            for x in (values, old_log_prob, sum_pi_squared, rollout_is_weights)
-        )
-        if reward_baselines is not None:
-            chex.assert_shape(reward_baselines, (batch,))
-            reward_baselines = jnp.asarray(reward_baselines, jnp.float32)
-        if threshold is not None:
-            threshold = jnp.asarray(threshold, jnp.float32)
-            chex.assert_shape(threshold, ())
+        inputs = {k: _prepare(k, inputs.get(k), mask) for k in INPUTS}
         rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
 
-        out = estimator(
-            token_level_rewards=rewards,
-            response_mask=mask,
-            index=index,
-            values=values,
-            reward_baselines=reward_baselines,
-            old_log_prob=old_log_prob,
-            threshold=threshold,
-            sum_pi_squared=sum_pi_squared,
-            rollout_is_weights=rollout_is_weights,
-            **params,
-        )
+        out = entry.fn(token_level_rewards=rewards, response_mask=mask, **inputs, **params)
         if not isinstance(out, Mapping):
             out = dict(zip(("advantages", "returns"), out))
-        out = {"critic_mask": mask, "metrics": {}, "next_threshold": threshold, **out}
+        out = {"critic_mask": mask, "metrics": {}, "next_threshold": inputs["threshold"], **out}
         for key in ("advantages", "returns", "critic_mask"):
             out[key] = zero_masked(out[key], mask)
         return jax.lax.stop_gradient(out)
@@ -227,7 +221,7 @@ def _broadcast(per_row, mask):
 # ----------------------------------------------------------------------------- estimators
 
 
-@register("gae", needs=("values",))
+@register("gae", needs=("values",), critic=True)
 def gae(*, token_level_rewards, response_mask, values, gamma, lam, **_):
     """Generalised advantage estimation (Schulman et al. 2015, arXiv:1506.02438).
 
@@ -449,7 +443,10 @@ def _token_baseline(returns, w_cum, mask, index, members):
     return (returns - baseline) * mask
 
 
-@register("optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
+@register(
+    "optimal_token_baseline",
+    needs=("index", "old_log_prob", "sum_pi_squared", "rollout_is_weights"),
+)
 def optimal_token_baseline(
     *,
     token_level_rewards,
@@ -479,7 +476,10 @@ def optimal_token_baseline(
     return adv, returns
 
 
-@register("tir_optimal_token_baseline", needs=("index", "old_log_prob", "sum_pi_squared"))
+@register(
+    "tir_optimal_token_baseline",
+    needs=("index", "old_log_prob", "sum_pi_squared", "rollout_is_weights"),
+)
 def tir_optimal_token_baseline(
     *,
     token_level_rewards,
@@ -509,7 +509,7 @@ def tir_optimal_token_baseline(
     return adv, returns
 
 
-@register("group_ppo", needs=("values", "old_log_prob", "threshold"))
+@register("group_ppo", needs=("values", "old_log_prob", "threshold"), critic=True)
 def group_ppo(
     *,
     token_level_rewards,

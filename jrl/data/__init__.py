@@ -3,7 +3,8 @@
 Every task has `train_batch(step, batch_size, stream=0, rows=slice(None)) -> dict of numpy` (a
 pure function of the seed, stream and step; `rows` picks a host's share of the batch),
 `eval_batch()`, and the attributes `prompt_length`, `max_response_length`,
-`eos_id`, `pad_id`, `bos_id`. `make_task(name, tokenizer, **kwargs)` builds one:
+`eos_id`, `pad_id`, `bos_id`. `make_task(name, tokenizer, **kwargs)` builds one, and
+`task_options(cfg)` binds a run's config to its keyword options:
 
   "arithmetic"  built-in synthetic arithmetic (jrl/data/arithmetic.py); kwargs: num_digits, ops,
                 eval_size, seed, max_prompt_length, max_response_length. Batches carry
@@ -21,18 +22,46 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
     "math", "format" and user reward functions.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from jrl.data.arithmetic import ArithmeticTask
 from jrl.data.math_data import MathTask, custom_task, gsm8k_task, math_task
 from jrl.registry import Registry
 
-# name -> (tokenizer, **kwargs) -> task
+
+class Entry(NamedTuple):
+    """A task's registry entry: how to build it and its options from a run's `task` section."""
+
+    build: Callable  # (tokenizer, **options) -> task
+    options: Callable  # the config's `task` section -> the task's own keyword options
+
+
+def _arithmetic_options(t) -> dict:
+    return dict(num_digits=t.num_digits, ops=tuple(t.ops))
+
+
+def _file_options(t) -> dict:
+    """gsm8k / math / custom: the files and the prompt's form; empty fields keep the task's
+    defaults."""
+    given = dict(question_field=t.question_field, answer_field=t.answer_field, template=t.template)
+    return dict(
+        train_files=t.train_files,
+        eval_files=t.eval_files,
+        prompt_format=t.prompt_format,
+        system_prompt=t.system_prompt or None,
+        overlong_prompts=t.overlong_prompts,
+        **{k: v for k, v in given.items() if v},
+    )
+
+
 TASKS = Registry(
     "task",
     {
-        "arithmetic": ArithmeticTask,
-        "gsm8k": gsm8k_task,
-        "math": math_task,
-        "custom": custom_task,
+        "arithmetic": Entry(ArithmeticTask, _arithmetic_options),
+        "gsm8k": Entry(gsm8k_task, _file_options),
+        "math": Entry(math_task, _file_options),
+        "custom": Entry(custom_task, _file_options),
     },
 )
 
@@ -40,7 +69,20 @@ TASKS = Registry(
 def make_task(name: str, tokenizer, **kwargs):
     """Builds the task registered as `name` with `tokenizer` and the task's keyword options; an
     unknown name raises `jrl.registry.UnknownName` (a ValueError) naming the valid ones."""
-    return TASKS.get(name)(tokenizer, **kwargs)
+    return TASKS.get(name).build(tokenizer, **kwargs)
+
+
+def task_options(cfg) -> dict:
+    """The keyword options of a run's task (`task.name`), bound from its config: the seed, the
+    eval split's size and the length limits every task takes, and the task's own (`Entry`)."""
+    t = cfg.task
+    return dict(
+        seed=cfg.seed,
+        eval_size=t.eval_size,
+        max_prompt_length=cfg.data.max_prompt_length or None,
+        max_response_length=cfg.data.max_response_length or None,
+        **TASKS.get(t.name).options(t),
+    )
 
 
 __all__ = [
@@ -51,4 +93,5 @@ __all__ = [
     "gsm8k_task",
     "make_task",
     "math_task",
+    "task_options",
 ]

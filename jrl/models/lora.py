@@ -17,6 +17,11 @@ The trees:
              with B scaled by alpha / r (`transformer.variables` routes it to the adapters)
   reference(base, trainable) -> the same model with the adapters off (the KL reference)
 
+A run's train state holds these trees: `params` / `critic_params` the trainable ones (adapters and
+value heads, float32), `ref_params` the frozen base (model.dtype), shared by policy, critic and the
+KL reference. `lora_on(cfg)`, `init_lora`, `with_base`, `policy_params`, `reference_params` and
+`state_axes` take the run's config and are the identity without LoRA (`lora.rank` 0).
+
 `with_dropout(params, rate, key)` adds per-layer dropout keys to the combined params (the update's
 training forwards; `transformer` then drops adapter inputs). `merge` folds the adapters into full
 weights (export); `peft_tensors` / `peft_config` write them in PEFT's format
@@ -34,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from jax.sharding import PartitionSpec
+
+from jrl.models import transformer
 
 # Projection (Hugging Face's name) -> (jrl module inside a block, number of input dims of W).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -227,6 +234,66 @@ def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -
     )
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(peft_config(lora_cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- a run's state
+# `cfg` is a run's config (its `lora` section); `state` a train state (`jrl.step.TrainState`).
+
+
+def lora_on(cfg) -> bool:
+    return bool(cfg.lora.rank)
+
+
+def lora_dropout_on(cfg) -> bool:
+    """Whether the update's forwards drop adapter inputs (LoRA with lora.dropout > 0)."""
+    return lora_on(cfg) and cfg.lora.dropout > 0
+
+
+def init_lora(cfg, critic_cfg, params, key):
+    """(policy trainable, critic trainable or None, base) of a LoRA run starting from `params`;
+    `critic_cfg` is a separate critic's model config (None without one)."""
+    base, trainable = init_trainable(params, cfg.lora, jax.random.fold_in(key, 1))
+    critic = None
+    if critic_cfg is not None:  # its own adapters on the same base, and a fresh value head
+        _, head = split(transformer.init_params(critic_cfg, key))
+        _, critic = init_trainable(base, cfg.lora, jax.random.fold_in(key, 2))
+        critic.update(head)
+    return trainable, critic, base
+
+
+def with_base(cfg, base, trainable, dropout_key=None):
+    """The full params of a model from its trainable part (see `init_lora`); with a
+    `dropout_key` (the update's training forwards) and lora.dropout > 0 the adapters' inputs are
+    dropped (`with_dropout`). Without LoRA, `trainable` itself."""
+    if not lora_on(cfg) or trainable is None:
+        return trainable
+    full = combine(base, trainable, scale(cfg.lora))
+    return with_dropout(full, cfg.lora.dropout, dropout_key)
+
+
+def policy_params(cfg, state):
+    """The policy's full params (with LoRA: base + adapters)."""
+    return with_base(cfg, state.ref_params, state.params)
+
+
+def reference_params(cfg, state):
+    """The KL reference's params (with LoRA: the policy with its adapters off, no copy)."""
+    if not lora_on(cfg):
+        return state.ref_params
+    return reference(state.ref_params, state.params)
+
+
+def state_axes(cfg, abstract_state, policy_axes, critic_axes=None) -> dict:
+    """`jrl.sharding.state_shardings`' logical axes of a train state, from the full models' axes
+    (`transformer.logical_axes`): with LoRA those of the trainable trees and of the base."""
+    if not lora_on(cfg):
+        return dict(policy_axes=policy_axes, critic_axes=critic_axes)
+    critic = abstract_state.critic_params
+    return dict(
+        policy_axes=trainable_axes(policy_axes, abstract_state.params),
+        critic_axes=None if critic is None else trainable_axes(critic_axes, critic),
+        reference_axes={k: policy_axes[k] for k in abstract_state.ref_params},
+    )
 
 
 # ----------------------------------------------------------------------------- base identity

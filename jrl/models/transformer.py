@@ -723,7 +723,7 @@ def grouped_response_forward(cfg: ModelConfig, params, prompt_ids_GP, prompt_mas
 
 def apply_full(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL):
     """Full forward with left / right padding: (logits [B, L, V] or None, values [B, L] or None).
-    Builds the whole [B, L, V] logits: for tests and small models (`jrl.step.token_log_probs`
+    Builds the whole [B, L, V] logits: for tests and small models (`jrl.logprobs.token_log_probs`
     takes log-probs a chunk at a time)."""
     out = full_forward(cfg, params, input_ids_BL, attention_mask_BL)
     logits = None if out.head is None else lm_logits(cfg, out.hidden, out.head)

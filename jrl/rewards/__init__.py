@@ -4,7 +4,8 @@
 `row_id` / `split`); `response_ids` / `response_mask` are [B, R]; scores are float32
 sequence-level rewards. Every reward can be called inside `jax.jit`.
 
-Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
+Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`; a run's options come
+from its config's `task` section (`reward_options`).
   - JAX rewards (`REWARDS`) run in-graph on token ids and need no task:
       "arithmetic_exact_match"  exact answer + eos for the arithmetic task.
   - Python rewards (`HOST_REWARDS`) decode the responses and score the text on the host through
@@ -22,6 +23,9 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
                 loaded from its path): a user score function
                 `(responses: list[str], ground_truths: list[str]) -> list[float]`.
 """
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 from jrl.registry import Registry, UnknownName
 from jrl.rewards import math as math_rewards
@@ -42,15 +46,41 @@ def _format_score(task, **options):
     return math_rewards.FormatScore(style=style, **options)
 
 
-# name -> (task, **options) -> score_fn(responses, ground_truths) -> list[float]
+class HostReward(NamedTuple):
+    """A Python reward's registry entry: its score function and its options from a run's config."""
+
+    make: Callable  # (task, **options) -> score_fn(responses, ground_truths) -> list[float]
+    options: Callable  # the config's `task` section -> the reward's keyword options
+
+
+def _gsm8k_options(t) -> dict:
+    return dict(fallback=t.gsm8k_fallback, format_score=t.format_score)
+
+
+def _math_options(t) -> dict:
+    return dict(
+        format_score=t.format_score,
+        backend=t.math_backend,
+        timeout_s=t.math_timeout_s,
+        num_workers=t.math_workers,
+    )
+
+
 HOST_REWARDS = Registry(
     "host reward",
     {
-        "gsm8k": lambda task, **options: math_rewards.Gsm8kScore(**options),
-        "math": lambda task, **options: math_rewards.MathScore(**options),
-        "format": _format_score,
+        "gsm8k": HostReward(lambda task, **o: math_rewards.Gsm8kScore(**o), _gsm8k_options),
+        "math": HostReward(lambda task, **o: math_rewards.MathScore(**o), _math_options),
+        "format": HostReward(_format_score, lambda t: {}),
     },
 )
+
+
+def reward_options(task_cfg) -> dict:
+    """The keyword options of the reward `task_cfg.reward`, bound from the config's `task`
+    section (none for JAX rewards and user functions)."""
+    entry = HOST_REWARDS.get(task_cfg.reward, None)
+    return {} if entry is None else entry.options(task_cfg)
 
 
 def names() -> list[str]:
@@ -91,7 +121,7 @@ def get_reward(name: str, task=None, tokenizer=None, **options):
                 f"reward {name!r} scores decoded text on the host and needs the task and "
                 f"tokenizer: get_reward({name!r}, task, tokenizer)."
             )
-        score_fn = entry(task, **options)
+        score_fn = entry.make(task, **options)
     if tokenizer is None:
         tokenizer = getattr(task, "tokenizer", None)
     return make_python_reward(score_fn, task, tokenizer, name=name)
@@ -106,4 +136,5 @@ __all__ = [
     "get_reward",
     "make_python_reward",
     "names",
+    "reward_options",
 ]

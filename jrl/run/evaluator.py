@@ -17,7 +17,6 @@ from jrl import rollout
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import trainer
 from jrl.run import samples as samples_lib
-from jrl import step as step_lib
 from jrl.run.metric_writers import to_python
 
 CORRECT_SCORE = 1.0  # a sample counts as correct for pass@k when its score reaches this
@@ -113,11 +112,11 @@ class Evaluator:
         self.sample_rows: list[dict] = []  # {"prompt", "completion", "reward"}, after greedy()
 
     def greedy(self) -> dict:
-        """`val/accuracy` and `val/response_length` of greedy answers (jrl.step.make_eval); the
-        first `num_samples` answers go to `sample_rows`."""
+        """`val/accuracy` and `val/response_length` of greedy answers (jrl.run.trainer.make_eval);
+        the first `num_samples` answers go to `sample_rows`."""
         if self._greedy is None:
             evaluate = jax.jit(
-                step_lib.make_eval(
+                trainer.make_eval(
                     self.model_cfg, self.reward_fn, **self._ids, num_samples=self.num_samples
                 )
             )

@@ -1,12 +1,11 @@
 """Answers to look at: a few greedy eval answers (prompt, completion, reward) per eval.
 
-`jrl.step.make_eval(..., num_samples=N)` returns the first N eval rows' greedy responses next to
-the metrics, under "samples/..."; `split` takes them off the metrics, `rows` decodes them with the
-task's tokenizer, `markdown` renders them for tensorboard's text tab and `lines` for a terminal.
-The trainer writes them to `DIR/samples.jsonl` (one JSON object per answer, with "step") and to
-tensorboard at every eval; `python -m jrl.eval --show=N` prints N answers of the checkpoint it
-evaluates; `read(DIR)` loads the file.
-"""
+`jrl.run.trainer.make_eval(..., num_samples=N)` returns the first N eval rows' greedy responses
+next to the metrics, under "samples/..."; `split` takes them off the metrics, `rows` decodes them
+with the task's tokenizer, `markdown` renders them for tensorboard's text tab and `lines` for a
+terminal. The trainer writes them to `DIR/samples.jsonl` (one JSON object per answer, with "step")
+and to tensorboard at every eval; `python -m jrl.eval --show=N` prints N answers of the checkpoint
+it evaluates; `read(DIR)` loads the file. """
 
 from __future__ import annotations
 

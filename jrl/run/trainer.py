@@ -17,15 +17,18 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 
 from absl import logging
 from etils import epath
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import config as config_lib
-from jrl import data, models, rewards, sharding, step as step_lib, tokenizer as tokenizer_lib
+from jrl import data, microbatch, models, rewards, rollout, sharding, sft, step as step_lib
+from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 from jrl.run import checkpoint as checkpoint_lib
@@ -66,7 +69,7 @@ def init_distributed(
 def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     """The decoder of `model.*`, or of the HF checkpoint `model.hf_path` (in `model.dtype`).
     With LoRA the frozen base is held in the compute dtype (`model.dtype`)."""
-    frozen = {"param_dtype": cfg.model.dtype} if step_lib.lora_on(cfg) else {}
+    frozen = {"param_dtype": cfg.model.dtype} if lora_lib.lora_on(cfg) else {}
     if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
         hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
         return dataclasses.replace(
@@ -129,20 +132,6 @@ def prompt_counts(task) -> dict:
     return out
 
 
-def reward_options(cfg) -> dict:
-    """Keyword options of the Python rewards (jrl.rewards.get_reward)."""
-    t = cfg.task
-    return {
-        "gsm8k": dict(fallback=t.gsm8k_fallback, format_score=t.format_score),
-        "math": dict(
-            format_score=t.format_score,
-            backend=t.math_backend,
-            timeout_s=t.math_timeout_s,
-            num_workers=t.math_workers,
-        ),
-    }.get(t.reward, {})
-
-
 def build(cfg):
     """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
     missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
@@ -157,31 +146,8 @@ def build(cfg):
 
 def _build(cfg):
     tok, policy_cfg = policy_model(cfg)
-    t = cfg.task
-    common = dict(
-        seed=cfg.seed,
-        eval_size=t.eval_size,
-        max_prompt_length=cfg.data.max_prompt_length or None,
-        max_response_length=cfg.data.max_response_length or None,
-    )
-    if t.name == "arithmetic":
-        task = data.make_task(t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **common)
-    else:
-        given = dict(
-            question_field=t.question_field, answer_field=t.answer_field, template=t.template
-        )
-        task = data.make_task(
-            t.name,
-            tok,
-            train_files=t.train_files,
-            eval_files=t.eval_files,
-            prompt_format=t.prompt_format,
-            system_prompt=t.system_prompt or None,
-            overlong_prompts=t.overlong_prompts,
-            **common,
-            **{k: v for k, v in given.items() if v},
-        )
-    reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
+    task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
+    reward_fn = rewards.get_reward(cfg.task.reward, task, tok, **rewards.reward_options(cfg.task))
     if len(tok) > policy_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary has "
@@ -197,7 +163,7 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
     Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
     abstract = jax.eval_shape(init_state)
     critic_cfg = step_lib.model_configs(cfg, model_cfg)[1]
-    axes = step_lib.state_axes(
+    axes = lora_lib.state_axes(
         cfg,
         abstract,
         transformer.logical_axes(model_cfg),
@@ -230,31 +196,6 @@ def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def sft_warmup(cfg, model_cfg, task, params, accuracy_fn):
-    """Supervised steps on the task's reference answers until the greedy accuracy on a fixed batch
-    of train problems reaches `warmup.target_accuracy` or `warmup.sft_steps` steps are done.
-    Accuracy is checked every `warmup.check_every` steps and, once it is past half the target,
-    after every step: the warm-up stops at the first step at or above the target (the accuracy
-    moves by up to 0.1 in one step), not at a later check that overshot it. Stopping at an
-    accuracy, not a step count, leaves RL a policy that is partly right whatever the seed or
-    machine. Returns (params, steps, accuracy)."""
-    tx, sft_step = step_lib.make_sft_step(cfg, model_cfg)
-    sft_step = jax.jit(sft_step, donate_argnums=(0, 1))
-    opt_state = tx.init(params)
-    probe = task.train_batch(0, 256, stream=2)  # fixed train problems for the stopping test
-    accuracy, steps = float(accuracy_fn(params, probe)["val/accuracy"]), 0
-    while steps < cfg.warmup.sft_steps and accuracy < cfg.warmup.target_accuracy:
-        batch = task.train_batch(
-            steps, cfg.warmup.sft_batch_size, stream=1
-        )  # not the RL steps' data
-        params, opt_state, _ = sft_step(params, opt_state, batch)
-        steps += 1
-        near = accuracy >= cfg.warmup.target_accuracy / 2  # then check after every step
-        if near or steps % cfg.warmup.check_every == 0 or steps == cfg.warmup.sft_steps:
-            accuracy = float(accuracy_fn(params, probe)["val/accuracy"])
-    return params, steps, accuracy
 
 
 class NonFiniteError(RuntimeError):
@@ -325,7 +266,7 @@ def warm_params(cfg, model_cfg, task, key, evaluate_fn, params_sh, say):
     result placed into `params_sh`)."""
     params = initial_params(cfg, model_cfg, key)
     t0 = time.perf_counter()
-    params, steps, acc = sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
+    params, steps, acc = sft.sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
     say(
         f"warm-up: {steps} supervised steps in {time.perf_counter() - t0:.1f}s, greedy "
         f"train accuracy {acc:.3f} (target {cfg.warmup.target_accuracy})",
@@ -363,8 +304,8 @@ def start_or_resume(
     )
     resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
     params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
-    if step_lib.lora_on(cfg):
-        params_sh = step_lib.reference_params(cfg, state_sh)
+    if lora_lib.lora_on(cfg):
+        params_sh = lora_lib.reference_params(cfg, state_sh)
     if resumed is not None:
         state, extra, start = resumed
         if base_from_hf:
@@ -372,7 +313,7 @@ def start_or_resume(
         say(f"resumed from {ckpt.directory} at step {start}", flush=True)
         return state, extra, start
     if cfg.warmup.sft_steps:  # the small demo model, warmed up, then placed
-        evaluate_fn = step_lib.make_eval(model_cfg, reward_fn, **ids)
+        evaluate_fn = make_eval(model_cfg, reward_fn, **ids)
         params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
     else:  # straight into the shards: no host holds the whole model
         params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
@@ -393,7 +334,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    step_lib.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
+    microbatch.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
     prepare_workdir(workdir, fresh=fresh)
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
     say = print if main_process else lambda *_, **__: None  # the few lines a run shows
@@ -509,16 +450,54 @@ def kl_metric(cfg) -> str | None:
     if cfg.algorithm.use_kl_in_reward:
         return "actor/reward_kl_penalty"
     return None
+def make_eval(
+    model_cfg: transformer.ModelConfig,
+    reward_fn: Callable,
+    *,
+    eos_id: int,
+    pad_id: int,
+    max_new_tokens: int,
+    num_samples: int = 0,
+):
+    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
+    with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
+    "samples/response_ids" and "samples/response_mask" [num_samples, R], "samples/score"
+    [num_samples] (jrl.samples splits them off the metrics)."""
+
+    def evaluate(params, batch: dict):
+        out = rollout.generate(
+            model_cfg,
+            params,
+            batch["input_ids"],
+            batch["attention_mask"],
+            jax.random.key(0),
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            greedy=True,
+        )
+        scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
+        metrics = {
+            "val/accuracy": jnp.mean(scores),
+            "val/response_length": jnp.mean(jnp.sum(out.response_mask, -1).astype(jnp.float32)),
+        }
+        if num_samples:
+            metrics["samples/response_ids"] = out.response_ids[:num_samples]
+            metrics["samples/response_mask"] = out.response_mask[:num_samples]
+            metrics["samples/score"] = scores[:num_samples]
+        return metrics
+
+    return evaluate
 
 
 def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar):
     """`evaluate(state, step) -> metrics`: greedy accuracy on the task's eval batch; also writes
     the eval's sample answers (`writer`) and shows the first (`bar`)."""
     num_samples = min(cfg.eval_samples, len(task.eval_batch()["input_ids"]))
-    eval_samples_fn = step_lib.make_eval(model_cfg, reward_fn, **ids, num_samples=num_samples)
+    eval_samples_fn = make_eval(model_cfg, reward_fn, **ids, num_samples=num_samples)
     replicated = NamedSharding(mesh, PartitionSpec())
     eval_fn = jax.jit(
-        lambda state, batch: eval_samples_fn(step_lib.policy_params(cfg, state), batch),
+        lambda state, batch: eval_samples_fn(lora_lib.policy_params(cfg, state), batch),
         in_shardings=(state_sh, replicated),
         out_shardings=replicated,
     )

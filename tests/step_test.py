@@ -1,8 +1,9 @@
-"""Correctness of the step: critic warm-up leaves the policy and its optimizer untouched (verl
-skips the actor's update), the logged learning rate follows the optimizer's own count of applied
-updates (a step skipped by the NaN guard applies none), a value head on the policy trains with the
-critic's optimizer settings, DAPO's dynamic sampling filters by either of verl's metric names, and
-ReMax's greedy baseline is shaped as the samples' scores."""
+"""The step's own contract (jrl/step.py): its optimizer bookkeeping (critic warm-up leaves the
+policy and its optimizer untouched, as verl skips the actor's update; the logged learning rate
+follows the optimizer's own count of applied updates, and a step skipped by the NaN guard applies
+none; a value head on the policy trains with the critic's optimizer settings), the policy loss's
+randomness, DAPO's dynamic sampling by either of verl's metric names, ReMax's greedy baseline
+shaped as the samples' scores, and what an estimator's registry entry asks of the step."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from jrl import rollout
 from jrl import step as step_lib
 from jrl.run import trainer
 from conftest import tiny_config
+from configs import grpo_math, ppo_math
 
 
 def setup(cfg, reward_fn=None):
@@ -45,7 +47,8 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     )
     assert any(jax.tree.leaves(moved))
     state, _ = step(state, batch)  # past the warm-up: the policy trains
-    assert int(step_lib.schedule_count(state.opt_state)) == step_lib.updates_per_step(cfg)
+    updates = cfg.actor.ppo_epochs * cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    assert int(step_lib.schedule_count(state.opt_state)) == updates
     assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
 
 
@@ -79,13 +82,15 @@ def nan_reward(batch, response_ids, response_mask, *, eos_id):
 def test_logged_lr_follows_applied_updates_after_a_skipped_step():
     """lr warm-up over 4 updates of lr 1e-3, u = 2 updates per step. Step 1 has a NaN reward and
     is skipped (no update applied); step 2's first update is then the optimizer's first: lr 0
-    (warm-up from 0), not 1e-3 * 2 / 4 as `state.step * updates_per_step` said; step 3's is the
+    (warm-up from 0), not 1e-3 * 2 / 4 as state.step * u would say; step 3's is the
     third update: 1e-3 * 2 / 4."""
     cfg = tiny_config()
     cfg.warmup.sft_steps = 0
     cfg.actor.lr = 1e-3
     cfg.actor.lr_warmup_steps = 4
-    assert step_lib.updates_per_step(cfg) == 2
+    # u = 2 updates per step: one epoch of 4 prompts in mini-batches of 2
+    actor = cfg.actor
+    assert (actor.ppo_epochs, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (1, 4, 2)
     state, step, batch = setup(cfg)
     _, skip_step, _ = setup(cfg, nan_reward)
     state, metrics = skip_step(state, batch)
@@ -198,3 +203,34 @@ def test_remax_baseline_is_the_greedy_answers_shaped_score():
     np.testing.assert_allclose(exp["scores"], -np.asarray(exp["response_mask"]).sum(-1) / 4.0)
     want = np.repeat(-greedy_length / 4.0, cfg.rollout.n)
     np.testing.assert_allclose(exp["reward_baselines"], want)
+def test_the_step_reads_an_estimators_entry_for_its_critic_and_inputs(monkeypatch):
+    """A new estimator registered with needs=("values", "index") and critic=True gets a critic
+    and, when the step traces (`jax.eval_shape`: nothing compiles), exactly the inputs the
+    experience holds: the critic's values, the rows' groups, the old log-probs and the
+    threshold, and no greedy baseline or sum_pi_squared it does not read."""
+    from jrl.algos import advantages as adv_lib
+
+    given = []
+
+    def toy(*, token_level_rewards, response_mask, **inputs):
+        given.append({k for k, v in inputs.items() if k in adv_lib.INPUTS and v is not None})
+        return token_level_rewards, token_level_rewards
+
+    monkeypatch.setitem(adv_lib.ESTIMATORS, "toy", adv_lib.Entry(toy, ("values", "index"), True))
+    cfg = grpo_math.get_config("tiny")
+    cfg.warmup.sft_steps = 0
+    cfg.algorithm.adv_estimator = "toy"
+    assert step_lib.needs_critic(cfg)
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    assert model_cfg.value_head is False
+    assert step_lib.model_configs(cfg, model_cfg)[1].value_head
+    init = lambda: step_lib.init_state(
+        cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
+    )
+    state = jax.eval_shape(init)
+    assert state.critic_params is not None
+    step = step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
+    jax.eval_shape(step, state, task.train_batch(0, step_lib.prompts_per_step(cfg)))
+    assert given == [{"values", "index", "old_log_prob", "threshold"}]
+    with pytest.raises(ValueError, match="critic=True goes with needs=\\('values'"):
+        adv_lib.register("no_values", needs=("index",), critic=True)

@@ -1,0 +1,166 @@
+"""Response log-probs: one forward over prompt + response gives, at each response position, the
+log-probability of the token taken (and the entropy, the values, sum_v pi_v^2 when asked), with
+the logits taken a chunk of positions at a time.
+
+Alignment (docs/design.md#token-alignment, verl's convention): response position t is action
+y_t; `log_prob[:, t]` is read from the logits at the position before y_t (the last prompt token
+for t = 0), and so is `values[:, t]` = V(prompt, y_<t).
+
+`prompt_group` says where the n rows of a GRPO group run their shared prompt once
+(`model.shared_prompt_forward`, `transformer.grouped_response_forward`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import PartitionSpec
+
+from jrl import sharding
+from jrl.models import attention as attention_lib
+from jrl.models import transformer
+from jrl.models import lora as lora_lib
+
+
+def token_log_probs(
+    model_cfg,
+    hidden_BLH,
+    head,
+    targets_BL,
+    temperature: float = 1.0,
+    with_entropy=False,
+    entropy_grad=True,
+    with_sum_pi_squared=False,
+):
+    """(log softmax(logits / T)[target] [B, L], entropy of softmax(logits / T) [B, L] or None),
+    plus sum_v softmax(logits / T)_v^2 [B, L] (no gradient) when `with_sum_pi_squared`,
+    float32, with logits = `transformer.lm_logits(hidden, head)`. `entropy_grad=False`: the
+    entropy is a value only (a metric), no gradient flows through it, so the backward skips its
+    [B, L, V] work. With `logits_chunk_size` c set,
+    the [B, L, V] logits never exist: positions go c at a time through a `lax.map` whose body is
+    rematerialised, so the forward holds one chunk's [B, c, V] logits and the backward recomputes
+    them chunk by chunk (the head's gradient accumulates over chunks)."""
+
+    def chunk(h_BCH, t_BC):
+        # Written around one [B, c, V] array, the logits: the log-partition and the entropy are
+        # reductions over it (log_softmax would materialise a second one, its entropy a third).
+        h_BCH = sharding.constrain(h_BCH, PartitionSpec("batch"))  # rows stay split (a mesh)
+        logits = transformer.lm_logits(model_cfg, h_BCH, head) / temperature
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, t_BC[..., None], -1)[..., 0] - log_z
+        extra = ()
+        if with_sum_pi_squared:
+            p = jax.lax.stop_gradient(jnp.exp(logits - log_z[..., None]))
+            extra = (jnp.sum(p * p, axis=-1),)
+        if not with_entropy:
+            return (logp, None, *extra)
+        if not entropy_grad:
+            logits, log_z = jax.lax.stop_gradient((logits, log_z))
+        p = jnp.exp(logits - log_z[..., None])  # H = log Z - sum_v p_v logit_v (finite logits)
+        return (logp, log_z - jnp.sum(p * logits, axis=-1), *extra)
+
+    b, l, _ = hidden_BLH.shape
+    c = model_cfg.logits_chunk_size
+    if not c or c >= l:
+        return chunk(hidden_BLH, targets_BL)
+    pad = -l % c  # the last chunk is padded (its extra positions are dropped)
+    hidden_BLH = jnp.pad(hidden_BLH, ((0, 0), (0, pad), (0, 0)))
+    targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, -1, c, *x.shape[2:]), 1, 0)
+    from_chunks = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, -1)[:, :l]
+    out = jax.lax.map(
+        lambda xs: jax.checkpoint(chunk)(*xs), (to_chunks(hidden_BLH), to_chunks(targets_BL))
+    )
+    return tuple(from_chunks(x) for x in out)
+
+
+def response_outputs(
+    model_cfg,
+    params,
+    prompt_ids_BP,
+    prompt_mask_BP,
+    response_ids_BR,
+    response_mask_BR,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
+    group: int = 1,
+) -> dict[str, jax.Array]:
+    """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
+    `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
+    `entropy` of that distribution (if asked; without a gradient unless `entropy_grad`),
+    `values` = V(prompt, y_<t) (with a value head), `sum_pi_squared` = sum_v pi(v)^2 (if asked).
+    Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`).
+    `group` = n > 1: every n consecutive rows share their prompt (a GRPO group); where
+    `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`;
+    responses padded only after their last real token, as the rollout writes them)."""
+    p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
+    if group > 1 and grouped_forward_suits(model_cfg, length):
+        prompts = slice(None, None, group)  # the first row of each group
+        hidden, head, values, _ = transformer.grouped_response_forward(
+            model_cfg, params, prompt_ids_BP[prompts], prompt_mask_BP[prompts], response_ids_BR
+        )
+    else:
+        ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
+        mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
+        hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
+        hidden, values = hidden[:, p - 1 : -1], None if values is None else values[:, p - 1 : -1]
+    out = {}
+    if head is not None:
+        log_prob, entropy, *extra = token_log_probs(
+            model_cfg,
+            hidden,
+            head,
+            response_ids_BR,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            with_sum_pi_squared,
+        )
+        out["log_prob"] = log_prob
+        if with_entropy:
+            out["entropy"] = entropy
+        if with_sum_pi_squared:
+            out["sum_pi_squared"] = extra[0]
+    if values is not None:
+        out["values"] = values
+    return out
+
+
+def grouped_forward_suits(model_cfg, length: int) -> bool:
+    """Whether a forward of `length` tokens per row may run each group's prompt once: without
+    remat (the grouped forward runs the layers one by one, as the rollout does) and where the
+    full forward's attention would be the materialised "xla" one (short rows: the grouped
+    forward attends through a [rows, R, P + R] mask, no more memory than that)."""
+    impl = attention_lib.resolve_implementation(
+        model_cfg.attention,
+        seq_len=length,
+        head_dim=model_cfg.head_size,
+        dtype=model_cfg.dtype,
+        softcap=model_cfg.attn_logit_softcapping,
+        block_size=model_cfg.attention_block_size,
+    )
+    return model_cfg.remat == "none" and impl == "xla"
+
+
+def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[str, int]:
+    """Rows per prompt that the forwards of "log_prob", "actor" and "critic" share
+    (`model.shared_prompt_forward`): n when it is on and every micro-batch of that forward
+    (`micro`: `jrl.microbatch.micro_batch_counts`) holds whole groups, else 1. In the update only
+    with one mini-batch per epoch (several are drawn row by row, as before: in the default demo,
+    mini-batches of whole groups learnt less) and without LoRA dropout (a mask per row, prompt
+    included)."""
+    n = cfg.rollout.n
+    prompts = {
+        "log_prob": cfg.data.train_batch_size,
+        "actor": cfg.actor.ppo_mini_batch_size,
+        "critic": cfg.actor.ppo_mini_batch_size,
+    }
+    on = cfg.model.shared_prompt_forward and n > 1
+    one_mini_batch = cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    update_ok = one_mini_batch and not lora_lib.lora_dropout_on(cfg)
+    suits = {"log_prob": True, "actor": update_ok, "critic": update_ok}
+    whole = lambda name: prompts[name] % micro[name] == 0
+    return {name: n if on and whole(name) and suits[name] else 1 for name in micro}

@@ -1,0 +1,57 @@
+"""Micro-batches (jrl/microbatch.py): how rows are split and joined, each micro-batch's own key,
+and the sizes that must divide the rows each device holds. (That micro-batches give the whole
+mini-batch's update inside the step: lean_step_test.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl import config as config_lib
+from jrl import microbatch, sharding
+
+from lean_step_test import _tiny
+
+
+def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
+    rows = jnp.arange(12)
+    split = microbatch.split_rows(rows, 2, group=3)
+    np.testing.assert_array_equal(split, [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]])
+    np.testing.assert_array_equal(microbatch.join_rows(split, group=3), rows)
+    plain = microbatch.split_rows(rows, 2)  # group 1: rows i, i + k, ...
+    np.testing.assert_array_equal(plain, [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]])
+    np.testing.assert_array_equal(microbatch.join_rows(plain), rows)
+
+
+def test_accumulate_grads_gives_each_micro_batch_its_own_key():
+    """With a key, micro-batch i of k sees split(key, k)[i] (fresh dropout masks per
+    micro-batch)."""
+
+    def loss_fn(w, mb, key):
+        u = jax.random.uniform(key, w.shape)
+        return jnp.sum(w * u) * jnp.sum(mb["x"]), {"n": jnp.sum(mb["x"])}
+
+    w, key = jnp.ones(3), jax.random.key(9)
+    batch = {"x": jnp.ones((4, 1))}
+    grads, metrics = microbatch.accumulate_grads(loss_fn, w, batch, 2, key=key)
+    u0, u1 = (jax.random.uniform(k, (3,)) for k in jax.random.split(key, 2))
+    assert np.abs(np.asarray(u0 - u1)).min() > 0
+    np.testing.assert_allclose(grads, 2 * u0 + 2 * u1, rtol=1e-6)
+    assert float(metrics["n"]) == 4
+    grads, _ = microbatch.accumulate_grads(loss_fn, w, batch, 1, key=key)
+    np.testing.assert_allclose(grads, 4 * jax.random.uniform(jax.random.split(key, 1)[0], (3,)))
+
+
+def test_micro_batch_sizes_must_divide_each_devices_rows():
+    cfg = _tiny(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
+    with pytest.raises(
+        config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3"
+    ) as e:
+        microbatch.micro_batch_counts(cfg)
+    assert "\n" not in str(e.value)
+    mesh = sharding.make_mesh(("data", "fsdp", "tensor"), (4, 1, 1), jax.devices()[:4])
+    ok = _tiny(**{"actor.ppo_micro_batch_size_per_device": 1})
+    assert microbatch.micro_batch_counts(ok, mesh) == {"log_prob": 1, "actor": 2, "critic": 1}
+    bad = _tiny(**{"rollout.log_prob_micro_batch_size_per_device": 3})  # 16 rows, 4 per device
+    with pytest.raises(config_lib.ConfigError, match="4 rows each device holds"):
+        microbatch.micro_batch_counts(bad, mesh)
