@@ -412,21 +412,6 @@ def test_missing_config_file_names_the_closest(monkeypatch):
     assert config_lib.config_path_error("configs/grpo_math.py:tiny") is None
 
 
-def _tiny(**fields):
-    """configs/grpo_math.py:tiny with `fields` ("a.b.c": value) set."""
-    sys.path.insert(0, REPO)
-    from configs import grpo_math
-
-    cfg = grpo_math.get_config("tiny")
-    for path, value in fields.items():
-        *parents, leaf = path.split(".")
-        node = cfg
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    return cfg
-
-
 def _off(field, value, feature, state, fix, default):
     return (
         f"{field}={value!r} has no effect while {feature} is off ({state}): turn it on with "
@@ -612,7 +597,7 @@ def test_switched_off_feature(kind, section):
 
     fields, message = (SET_WHILE_OFF if kind == "set" else INVALID_WHILE_OFF)[section]
     with pytest.raises(config_lib.ConfigError) as e:
-        config_lib.validate(_tiny(**fields))
+        config_lib.validate(tiny_config(**fields))
     assert str(e.value) == message
 
 
@@ -622,12 +607,12 @@ def test_command_line_setting_at_its_default_while_off_is_refused():
     from jrl import config as config_lib
 
     argv = ["train", TINY, "--config.algorithm.rollout_correction.rollout_is=sequence"]
-    assert config_lib.unused_override(_tiny(), argv) == (
+    assert config_lib.unused_override(tiny_config(), argv) == (
         "--config.algorithm.rollout_correction.rollout_is=sequence has no effect while rollout "
         "correction is off (algorithm.rollout_correction.enable=False): turn it on with "
         "--config.algorithm.rollout_correction.enable=True, or leave it out."
     )
-    on = _tiny(**{"algorithm.rollout_correction.enable": True})
+    on = tiny_config(**{"algorithm.rollout_correction.enable": True})
     assert config_lib.unused_override(on, [*argv, "--config.rollout.n=2"]) is None
 
 

@@ -10,7 +10,7 @@ import pytest
 from jrl import config as config_lib
 from jrl import microbatch, sharding
 
-from lean_step_test import _tiny
+from conftest import tiny_config
 
 
 def test_split_rows_keeps_each_group_together_and_join_rows_undoes_it():
@@ -43,15 +43,16 @@ def test_accumulate_grads_gives_each_micro_batch_its_own_key():
 
 
 def test_micro_batch_sizes_must_divide_each_devices_rows():
-    cfg = _tiny(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
+    cfg = tiny_config(**{"actor.ppo_micro_batch_size_per_device": 3})  # mini-batch: 2 x 4 = 8 rows
     with pytest.raises(
         config_lib.ConfigError, match="actor.ppo_micro_batch_size_per_device=3"
     ) as e:
         microbatch.micro_batch_counts(cfg)
     assert "\n" not in str(e.value)
     mesh = sharding.make_mesh(("data", "fsdp", "tensor"), (4, 1, 1), jax.devices()[:4])
-    ok = _tiny(**{"actor.ppo_micro_batch_size_per_device": 1})
+    ok = tiny_config(**{"actor.ppo_micro_batch_size_per_device": 1})
     assert microbatch.micro_batch_counts(ok, mesh) == {"log_prob": 1, "actor": 2, "critic": 1}
-    bad = _tiny(**{"rollout.log_prob_micro_batch_size_per_device": 3})  # 16 rows, 4 per device
+    # 16 rows, 4 per device
+    bad = tiny_config(**{"rollout.log_prob_micro_batch_size_per_device": 3})
     with pytest.raises(config_lib.ConfigError, match="4 rows each device holds"):
         microbatch.micro_batch_counts(bad, mesh)

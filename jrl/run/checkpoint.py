@@ -768,7 +768,7 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
 
 def lora_base_from_hf(cfg) -> bool:
     """Whether the run's checkpoints leave out its frozen LoRA base (read from model.hf_path)."""
-    return step_lib.lora_on(cfg) and bool(cfg.model.hf_path)
+    return lora_lib.lora_on(cfg) and bool(cfg.model.hf_path)
 
 
 def abstract_state(
@@ -790,7 +790,7 @@ def restore_params(workdir: str, cfg, model_cfg: transformer.ModelConfig, step: 
     """(policy params, step) of checkpoint `step` of `workdir`; default: the newest checkpoint
     that reads back (unreadable newer ones are skipped with a warning). A LoRA run's policy
     comes back merged: W + (alpha / r) A B, in float32."""
-    if step_lib.lora_on(cfg):
+    if lora_lib.lora_on(cfg):
         base, trainable, step = restore_lora(workdir, cfg, model_cfg, step)
         return lora_lib.merge(base, trainable, lora_lib.scale(cfg.lora), "float32"), step
     state, _, step = _restore_state(workdir, cfg, model_cfg, step)

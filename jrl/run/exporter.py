@@ -11,7 +11,6 @@ import ml_collections
 
 from jrl import config as config_lib
 from jrl import models
-from jrl import step as step_lib
 from jrl.models import lora as lora_lib
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import trainer
@@ -54,7 +53,7 @@ def export(
     if cfg is None:
         cfg = checkpoint_lib.load_config(workdir, step)
     config_lib.validate(cfg)
-    if adapter_only and not step_lib.lora_on(cfg):
+    if adapter_only and not lora_lib.lora_on(cfg):
         raise ExportError(
             f"--adapter_only exports LoRA adapters, but the run in {workdir} trained every "
             "parameter (lora.rank=0); leave --adapter_only out to export its full weights."
