@@ -513,28 +513,12 @@ GSM8K_TEMPLATE = (
 MATH_TEMPLATE = "{question}\nSolve it step by step, then write the final answer in \\boxed{{}}."
 
 
-GSM8K_DEFAULTS = dict(
-    question_field="question",
-    answer_field="answer",
-    template=GSM8K_TEMPLATE,
-    answer_format="gsm8k",
-    name="gsm8k",
-)
-MATH_DEFAULTS = dict(
-    question_field="problem",
-    answer_field="solution",
-    template=MATH_TEMPLATE,
-    answer_format="boxed",
-    name="math",
-)
-# A user's own prompt / answer file: the question as it is, no instruction added.
-CUSTOM_DEFAULTS = dict(
-    question_field="question",
-    answer_field="answer",
-    template="{question}",
-    answer_format=None,
-    name="custom",
-)
+# The built-in tasks' defaults of MathTask's options, one row each in the order of DEFAULT_FIELDS;
+# CUSTOM_DEFAULTS, a user's own prompt / answer file: the question as it is, no instruction added.
+DEFAULT_FIELDS = ("question_field", "answer_field", "template", "answer_format", "name")
+GSM8K_DEFAULTS = dict(zip(DEFAULT_FIELDS, ("question", "answer", GSM8K_TEMPLATE, "gsm8k", "gsm8k")))
+MATH_DEFAULTS = dict(zip(DEFAULT_FIELDS, ("problem", "solution", MATH_TEMPLATE, "boxed", "math")))
+CUSTOM_DEFAULTS = dict(zip(DEFAULT_FIELDS, ("question", "answer", "{question}", None, "custom")))
 
 
 def gsm8k_task(tokenizer, **kwargs) -> MathTask:
