@@ -33,6 +33,7 @@ above, plus extras such as `group_ppo`'s "token_returns"). Shared recurrences li
 `jrl.algos.recurrences`; GROUP-PPO's maths in `jrl.algos.group_ppo` (registered here).
 """
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -443,11 +444,11 @@ def _token_baseline(returns, w_cum, mask, index, members):
     return (returns - baseline) * mask
 
 
-@register(
-    "optimal_token_baseline",
-    needs=("index", "old_log_prob", "sum_pi_squared", "rollout_is_weights"),
-)
-def optimal_token_baseline(
+OTB_NEEDS = ("index", "old_log_prob", "sum_pi_squared", "rollout_is_weights")
+
+
+def _optimal_token_baseline(
+    packed,
     *,
     token_level_rewards,
     response_mask,
@@ -465,38 +466,21 @@ def optimal_token_baseline(
         W_t = sum_{j <= t} w_j m_j;  B_t = sum_group(G_t W_t m_t) / (sum_group(W_t m_t) + 1e-8)
         A_t = (G_t - B_t) m_t;  returns = G.
     Groups of one: B = 0. Zero tail: a group's unique longest row gets B = 0 from the
-    second-longest length on (no other row estimates it there). Positions are the padded columns
-    (see `tir_optimal_token_baseline` for rows with holes). Needs sum_pi_squared from the old
+    second-longest length on (no other row estimates it there). Needs sum_pi_squared from the old
     forward (the step computes it when this estimator is chosen).
+
+    packed=False (`optimal_token_baseline`): positions are the padded columns.
+    packed=True (`tir_optimal_token_baseline`, for multi-turn / tool-integrated rollouts): each
+    row's valid tokens are first packed to the left (the k-th valid token of every row share one
+    baseline position k, skipping observation holes), empty rows join no group, and the
+    advantages are scattered back to the tokens' own positions. Identical to packed=False for
+    right-padded rows without holes and empty rows.
     """
     returns = reward_to_go(token_level_rewards)
     w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
-    members = jnp.ones(response_mask.shape[:1], bool)
-    adv = _token_baseline(returns, w_cum, response_mask, index, members)
-    return adv, returns
-
-
-@register(
-    "tir_optimal_token_baseline",
-    needs=("index", "old_log_prob", "sum_pi_squared", "rollout_is_weights"),
-)
-def tir_optimal_token_baseline(
-    *,
-    token_level_rewards,
-    response_mask,
-    index,
-    old_log_prob,
-    sum_pi_squared,
-    rollout_is_weights,
-    **_,
-):
-    """OTB for multi-turn / tool-integrated rollouts (verl 0.9.1): as `optimal_token_baseline`,
-    but each row's valid tokens are first packed to the left (the k-th valid token of every row
-    share one baseline position k, skipping observation holes), empty rows join no group, and the
-    advantages are scattered back to the tokens' own positions. Identical to
-    `optimal_token_baseline` for right-padded rows without holes and empty rows."""
-    returns = reward_to_go(token_level_rewards)
-    w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
+    if not packed:
+        members = jnp.ones(response_mask.shape[:1], bool)
+        return _token_baseline(returns, w_cum, response_mask, index, members), returns
     b, t = response_mask.shape
     valid = response_mask != 0
     slot = jnp.where(valid, jnp.cumsum(response_mask, axis=-1).astype(jnp.int32) - 1, t)
@@ -507,6 +491,14 @@ def tir_optimal_token_baseline(
     packed_adv = _token_baseline(pack(returns), pack(w_cum), packed_mask, index, members)
     adv = jnp.take_along_axis(packed_adv, jnp.minimum(slot, t - 1), axis=-1) * response_mask
     return adv, returns
+
+
+optimal_token_baseline = register("optimal_token_baseline", needs=OTB_NEEDS)(
+    functools.partial(_optimal_token_baseline, False)
+)
+tir_optimal_token_baseline = register("tir_optimal_token_baseline", needs=OTB_NEEDS)(
+    functools.partial(_optimal_token_baseline, True)
+)
 
 
 @register("group_ppo", needs=("values", "old_log_prob", "threshold"), critic=True)
