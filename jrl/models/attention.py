@@ -314,16 +314,9 @@ def _splash_kernel(num_heads, seq_len, window, softcap, block, interpret):
         mask = splash.CausalMask(shape)
     else:
         mask = splash.LocalMask(shape, window_size=(window - 1, 0), offset=0)
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        block_q_dq=block,
-        block_kv_dq=block,
-    )
+    # every block of the forward, dK/dV and dQ kernels is `block` long
+    blocks = "q kv kv_compute q_dkv kv_dkv kv_dkv_compute q_dq kv_dq".split()
+    sizes = splash.BlockSizes(**{f"block_{name}": block for name in blocks})
     with jax.ensure_compile_time_eval():  # mask tables as constants, also when built in a trace
         return splash.make_splash_mha_single_device(
             splash.MultiHeadMask([mask] * num_heads),
