@@ -63,8 +63,8 @@ def test_a_non_finite_loss_applies_no_update(monkeypatch):
     optimizer update keeps parameters and optimizer state, and the step counts as skipped."""
     from jrl.algos import losses
 
-    def nan_loss(*, log_prob, aggregate, **_):
-        return aggregate(log_prob * jnp.nan), {}
+    def nan_loss(x, **_):
+        return x.aggregate(x.log_prob * jnp.nan), {}
 
     monkeypatch.setitem(losses.POLICY_LOSSES, "nan_loss", nan_loss)
     cfg = tiny_config()

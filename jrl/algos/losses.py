@@ -34,7 +34,7 @@ name, so they sit directly in the actor section.
 """
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import chex
 import jax
@@ -151,15 +151,29 @@ PolicyLoss = Callable[..., tuple[jax.Array, dict]]
 POLICY_LOSSES = Registry("policy loss")
 
 
-# `@register_policy_loss("name")` on `fn(*, old_log_prob, log_prob, advantages, response_mask,
-# aggregate, mean, counts, key, rollout_is_weights, **params) -> (loss, metrics)`, `params` being
-# those of `policy_loss_params` (name the ones the loss reads, take `**_` for the rest):
-# `aggregate(loss_mat)` multiplies by the rollout-correction IS weights (when given) and applies
-# the caller's loss_agg_mode (`aggregate(loss_mat, mode=...)` another mode,
-# `aggregate(..., weighted=False)` without the weights), `mean(x)` is the masked token mean for
-# metrics, `counts` the mini-batch's `batch_counts`; all three normalise by the whole mini-batch
-# (module doc). Metrics may omit keys of METRIC_KEYS (they are reported as 0); other keys are
-# passed through as a micro-batch's share of their mean over micro-batches (verl averages them).
+class LossInput(NamedTuple):
+    """What a policy loss is called with besides its settings (`_policy_loss` builds it): the
+    arrays [B, T] in float32, 0 where response_mask == 0, and the helpers bound to this batch."""
+
+    old_log_prob: jax.Array
+    log_prob: jax.Array
+    advantages: jax.Array
+    response_mask: jax.Array  # float32
+    # aggregate(loss_mat) multiplies by the rollout-correction IS weights (when given) and applies
+    # the caller's loss_agg_mode; aggregate(loss_mat, mode=...) another mode,
+    # aggregate(..., weighted=False) without the weights, aggregate(..., loss_mask=...) another mask
+    aggregate: Callable[..., jax.Array]
+    mean: Callable[[jax.Array], jax.Array]  # masked token mean, for metrics
+    counts: dict  # the mini-batch's `batch_counts`
+    key: Optional[jax.Array]  # a PRNG key (clip_cov) or None
+    rollout_is_weights: Optional[jax.Array]  # [B, T], no gradient, or None
+
+
+# `@register_policy_loss("name")` on `fn(x: LossInput, **params) -> (loss, metrics)`, `params`
+# being those of `policy_loss_params` (name the ones the loss reads, take `**_` for the rest).
+# `x.aggregate`, `x.mean` and `x.counts` all normalise by the whole mini-batch (module doc).
+# Metrics may omit keys of METRIC_KEYS (they are reported as 0); other keys are passed through as
+# a micro-batch's share of their mean over micro-batches (verl averages them).
 register_policy_loss = POLICY_LOSSES.register
 
 
@@ -271,18 +285,18 @@ def _policy_loss(
             loss_mat = loss_mat * rollout_is_weights
         return agg_loss(loss_mat, loss_mask, mode, scale_factor, counts)
 
-    loss, metrics = loss_fn(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=mask,
-        aggregate=aggregate,
-        mean=functools.partial(token_mean, mask=mask, counts=counts),
-        counts=counts,
-        key=key,
-        rollout_is_weights=rollout_is_weights,
-        **params,
+    x = LossInput(
+        old_log_prob,
+        log_prob,
+        advantages,
+        mask,
+        aggregate,
+        functools.partial(token_mean, mask=mask, counts=counts),
+        counts,
+        key,
+        rollout_is_weights,
     )
+    loss, metrics = loss_fn(x, **params)
     share = mask.shape[0] / counts["rows"]  # this micro-batch's share of the mini-batch's rows
     out = {k: jnp.asarray(metrics.get(k, 0.0), jnp.float32) for k in METRIC_KEYS}
     out.update({k: v * share for k, v in metrics.items() if k not in METRIC_KEYS})
@@ -300,18 +314,7 @@ def _ppo_kl(log_ratio, mean):
 
 
 @register_policy_loss("vanilla")
-def vanilla(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    aggregate,
-    mean,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    **_,
-):
+def vanilla(x: LossInput, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_):
     """PPO clip (Schulman et al. 2017, arXiv:1707.06347) with asymmetric clip ranges (DAPO,
     arXiv:2503.14476) and dual clip (Ye et al. 2019, arXiv:1912.09729).
 
@@ -324,52 +327,42 @@ def vanilla(
     """
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {clip_ratio_c}.")
-    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
+    log_ratio = jnp.clip(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    l1, l2 = _ppo_clip_terms(x.advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
     clipped = jnp.maximum(l1, l2)
-    l3 = -advantages * clip_ratio_c
-    losses = jnp.where(advantages < 0, jnp.minimum(l3, clipped), clipped)
+    l3 = -x.advantages * clip_ratio_c
+    losses = jnp.where(x.advantages < 0, jnp.minimum(l3, clipped), clipped)
     metrics = {
-        "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
-        "actor/pg_clipfrac_lower": mean(((clipped > l3) & (advantages < 0)).astype(jnp.float32)),
+        "actor/pg_clipfrac": x.mean((l2 > l1).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
+        "actor/pg_clipfrac_lower": x.mean(
+            ((clipped > l3) & (x.advantages < 0)).astype(jnp.float32)
+        ),
     }
-    return aggregate(losses), metrics
+    return x.aggregate(losses), metrics
 
 
-def _dppo(
-    old_log_prob, log_prob, advantages, aggregate, mean, low, high, clip_ratio_c, valid_mask_fn
-):
+def _dppo(x: LossInput, keep, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, **_):
     """DPPO's shared body: a TIS-truncated, detached ratio times -A log_prob on the tokens the
-    divergence test `valid_mask_fn(log_prob, old_log_prob, eps_low, eps_high) -> (keep if A > 0,
-    keep if A <= 0)` keeps."""
-    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    divergence test `keep(log_prob, old_log_prob, eps_low, eps_high) -> (keep if A > 0, keep if
+    A <= 0)` keeps."""
+    log_ratio = jnp.clip(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     truncated = jax.lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
-    keep_pos, keep_neg = valid_mask_fn(log_prob, old_log_prob, low, high)
-    valid = jax.lax.stop_gradient(jnp.where(advantages > 0, keep_pos, keep_neg).astype(jnp.float32))
-    losses = -advantages * truncated * log_prob * valid
+    keep_pos, keep_neg = keep(x.log_prob, x.old_log_prob, clip_ratio_low, clip_ratio_high)
+    valid = jnp.where(x.advantages > 0, keep_pos, keep_neg).astype(jnp.float32)
+    valid = jax.lax.stop_gradient(valid)
+    losses = -x.advantages * truncated * x.log_prob * valid
     metrics = {
-        "actor/pg_clipfrac": mean(1.0 - valid),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
-        "actor/pg_clipfrac_lower": mean((ratio > clip_ratio_c).astype(jnp.float32) * valid),
+        "actor/pg_clipfrac": x.mean(1.0 - valid),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
+        "actor/pg_clipfrac_lower": x.mean((ratio > clip_ratio_c).astype(jnp.float32) * valid),
     }
-    return aggregate(losses), metrics
+    return x.aggregate(losses), metrics
 
 
 @register_policy_loss("dppo_tv")
-def dppo_tv(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    aggregate,
-    mean,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    **_,
-):
+def dppo_tv(x: LossInput, **params):
     """DPPO-Binary-TV, divergence-constrained PPO (arXiv:2602.04879).
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(min(ratio, clip_ratio_c))
@@ -387,32 +380,11 @@ def dppo_tv(
         diff = jnp.exp(log_prob) - jnp.exp(old_log_prob)
         return diff <= high, diff >= -low
 
-    return _dppo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        aggregate,
-        mean,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        keep,
-    )
+    return _dppo(x, keep, **params)
 
 
 @register_policy_loss("dppo_kl")
-def dppo_kl(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    aggregate,
-    mean,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    **_,
-):
+def dppo_kl(x: LossInput, **params):
     """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL of the token event
         d_t = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
     keep_t = (d_t <= eps_high or p <= p_old) if A_t > 0 else (d_t <= eps_low or p >= p_old).
@@ -426,45 +398,22 @@ def dppo_kl(
         )
         return (d <= high) | (prob <= old_prob), (d <= low) | (prob >= old_prob)
 
-    return _dppo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        aggregate,
-        mean,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        keep,
-    )
+    return _dppo(x, keep, **params)
 
 
 @register_policy_loss("dro")
-def dro(*, old_log_prob, log_prob, advantages, aggregate, mean, dro_beta, **_):
+def dro(x: LossInput, *, dro_beta, **_):
     """Direct reward optimisation with a quadratic log-ratio penalty (Richemond et al. 2024,
     arXiv:2405.19107):  loss_t = -(log_prob_t A_t - 0.5 dro_beta log_ratio_t^2), aggregated with
     loss_agg_mode. No clipping. Parameters: dro_beta (> 0)."""
     beta = check_positive("dro_beta", dro_beta)
-    log_ratio = log_prob - old_log_prob
-    losses = -(log_prob * advantages - 0.5 * beta * jnp.square(log_ratio))
-    return aggregate(losses), {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
+    log_ratio = x.log_prob - x.old_log_prob
+    losses = -(x.log_prob * x.advantages - 0.5 * beta * jnp.square(log_ratio))
+    return x.aggregate(losses), {"actor/ppo_kl": _ppo_kl(log_ratio, x.mean)}
 
 
 @register_policy_loss("bypass_mode")
-def bypass_mode(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    aggregate,
-    counts,
-    rollout_correction,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    **_,
-):
+def bypass_mode(x: LossInput, *, rollout_correction, **params):
     """Bypass mode of rollout correction (verl 0.9.1): old_log_prob IS the rollout's log-prob (the
     old-log-prob forward is skipped). IS weights and the rejection mask are computed here from
     sg(log_prob) vs old_log_prob (`jrl.algos.rollout_corr.correct` with the parsed
@@ -483,41 +432,22 @@ def bypass_mode(
         )
     parsed = rollout_correction
     weights, kept, corr_metrics = rollout_corr.correct(
-        log_prob, old_log_prob, response_mask, parsed
+        x.log_prob, x.old_log_prob, x.response_mask, parsed
     )
-    share = response_mask.shape[0] / counts["rows"]  # verl averages metrics over micro-batches
-    kept_mean = lambda x: masked_mean(x, kept) * share  # noqa: E731
+    share = x.response_mask.shape[0] / x.counts["rows"]  # verl averages metrics over micro-batches
+    kept_mean = lambda v: masked_mean(v, kept) * share  # noqa: E731
     if parsed["loss_type"] == "reinforce":
-        losses = -advantages * log_prob * (1.0 if weights is None else weights)
-        loss = aggregate(losses, weighted=False, loss_mask=kept)
-        metrics = {"actor/ppo_kl": kept_mean(old_log_prob - log_prob)}
+        losses = -x.advantages * x.log_prob * (1.0 if weights is None else weights)
+        loss = x.aggregate(losses, weighted=False, loss_mask=kept)
+        metrics = {"actor/ppo_kl": kept_mean(x.old_log_prob - x.log_prob)}
     else:
-        loss, metrics = vanilla(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=advantages,
-            aggregate=lambda x: aggregate(x, weighted=False, loss_mask=kept),
-            mean=kept_mean,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-        )
+        aggregate = functools.partial(x.aggregate, weighted=False, loss_mask=kept)
+        loss, metrics = vanilla(x._replace(aggregate=aggregate, mean=kept_mean), **params)
     return loss, {**metrics, **corr_metrics}
 
 
 @register_policy_loss("gspo")
-def gspo(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    aggregate,
-    mean,
-    clip_ratio_low,
-    clip_ratio_high,
-    **_,
-):
+def gspo(x: LossInput, *, clip_ratio_low, clip_ratio_high, **_):
     """GSPO, group sequence policy optimisation (Zheng et al. 2025, arXiv:2507.18071).
 
         s_b = sum_t(log_ratio * m) / max(|y_b|, 1)          (sequence log-ratio, length-normalised)
@@ -528,36 +458,26 @@ def gspo(
     so set actor.loss_agg_mode=seq-mean-token-mean for the paper's objective).
     pg_clipfrac = mean_m(l2 > l1). Parameters: clip_ratio_low, clip_ratio_high.
     """
-    log_ratio = log_prob - old_log_prob
-    lengths = jnp.maximum(jnp.sum(response_mask, axis=-1), 1.0)
-    seq_log_ratio = masked_sum(log_ratio, response_mask, axis=-1) / lengths
+    log_ratio = x.log_prob - x.old_log_prob
+    lengths = jnp.maximum(jnp.sum(x.response_mask, axis=-1), 1.0)
+    seq_log_ratio = masked_sum(log_ratio, x.response_mask, axis=-1) / lengths
     token_log_ratio = (
-        log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+        x.log_prob
+        - jax.lax.stop_gradient(x.log_prob)
+        + jax.lax.stop_gradient(seq_log_ratio)[:, None]
     )
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
-    l1, l2 = _ppo_clip_terms(advantages, ratio, clip_ratio_low, clip_ratio_high)
-    loss = aggregate(jnp.maximum(l1, l2))
+    l1, l2 = _ppo_clip_terms(x.advantages, ratio, clip_ratio_low, clip_ratio_high)
+    loss = x.aggregate(jnp.maximum(l1, l2))
     metrics = {
-        "actor/pg_clipfrac": mean((l2 > l1).astype(jnp.float32)),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac": x.mean((l2 > l1).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
     }
     return loss, metrics
 
 
 @register_policy_loss("geo_mean")
-def geo_mean(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    mean,
-    counts,
-    rollout_is_weights,
-    clip_ratio_low,
-    clip_ratio_high,
-    **_,
-):
+def geo_mean(x: LossInput, *, clip_ratio_low, clip_ratio_high, **_):
     """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673).
 
     Token log-ratios are clipped one-sidedly by the sign of A, then averaged per sequence:
@@ -571,29 +491,29 @@ def geo_mean(
     Parameters: clip_ratio_low, clip_ratio_high.
     """
     low, high = clip_ratio_low, clip_ratio_high
-    log_ratio = log_prob - old_log_prob
+    log_ratio = x.log_prob - x.old_log_prob
     clamped = jnp.clip(log_ratio, -low, high)
-    sign = jnp.sign(advantages)
+    sign = jnp.sign(x.advantages)
     pessimistic = sign * jnp.minimum(sign * log_ratio, sign * clamped)
-    lengths = jnp.sum(response_mask, axis=-1) + 1e-8
-    seq_ratio = jnp.exp(masked_sum(pessimistic, response_mask, axis=-1) / lengths)
-    seq_adv = masked_sum(advantages, response_mask, axis=-1) / lengths
+    lengths = jnp.sum(x.response_mask, axis=-1) + 1e-8
+    seq_ratio = jnp.exp(masked_sum(pessimistic, x.response_mask, axis=-1) / lengths)
+    seq_adv = masked_sum(x.advantages, x.response_mask, axis=-1) / lengths
     row_losses = -seq_adv * seq_ratio
-    if rollout_is_weights is not None:
-        log_w = masked_sum(jnp.log(rollout_is_weights + 1e-10), response_mask, axis=-1)
+    if x.rollout_is_weights is not None:
+        log_w = masked_sum(jnp.log(x.rollout_is_weights + 1e-10), x.response_mask, axis=-1)
         row_losses = row_losses * jnp.exp(log_w / lengths)
-    loss = jnp.sum(row_losses) / counts["rows"]  # the mean over the mini-batch's rows
+    loss = jnp.sum(row_losses) / x.counts["rows"]  # the mean over the mini-batch's rows
     was_clipped = log_ratio != clamped
     metrics = {
-        "actor/pg_clipfrac": mean((was_clipped & (advantages > 0)).astype(jnp.float32)),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
-        "actor/pg_clipfrac_lower": mean((was_clipped & (advantages < 0)).astype(jnp.float32)),
+        "actor/pg_clipfrac": x.mean((was_clipped & (x.advantages > 0)).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
+        "actor/pg_clipfrac_lower": x.mean((was_clipped & (x.advantages < 0)).astype(jnp.float32)),
     }
     return loss, metrics
 
 
 @register_policy_loss("sapo")
-def sapo(*, old_log_prob, log_prob, advantages, aggregate, mean, tau_pos, tau_neg, **_):
+def sapo(x: LossInput, *, tau_pos, tau_neg, **_):
     """SAPO, soft adaptive policy optimisation (arXiv:2511.20347): a smooth sigmoid gate instead of
     a hard clip.
 
@@ -602,17 +522,15 @@ def sapo(*, old_log_prob, log_prob, advantages, aggregate, mean, tau_pos, tau_ne
     Always aggregated with seq-mean-token-mean (loss_agg_mode is ignored, as in verl).
     No clip fractions (reported 0). Parameters: tau_pos, tau_neg.
     """
-    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+    log_ratio = jnp.clip(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    tau = jnp.where(x.advantages > 0, tau_pos, tau_neg)
     gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * (4.0 / tau)
-    loss = aggregate(-gate * advantages, mode="seq-mean-token-mean")
-    return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mean)}
+    loss = x.aggregate(-gate * x.advantages, mode="seq-mean-token-mean")
+    return loss, {"actor/ppo_kl": _ppo_kl(log_ratio, x.mean)}
 
 
 @register_policy_loss("cispo")
-def cispo(
-    *, old_log_prob, log_prob, advantages, aggregate, mean, clip_ratio_low, clip_ratio_high, **_
-):
+def cispo(x: LossInput, *, clip_ratio_low, clip_ratio_high, **_):
     """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585).
 
         ratio = exp(clip(log_ratio, -20, 20));  w = sg(clip(ratio, 1 - eps_low, 1 + eps_high))
@@ -621,24 +539,24 @@ def cispo(
     pg_clipfrac = mean_m(ratio != clip(ratio)). Parameters: clip_ratio_low, clip_ratio_high.
     """
     low, high = clip_ratio_low, clip_ratio_high
-    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = jnp.clip(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = jnp.exp(log_ratio)
     weight = jnp.clip(ratio, 1.0 - low, 1.0 + high)
-    losses = -jax.lax.stop_gradient(weight) * advantages * log_prob
+    losses = -jax.lax.stop_gradient(weight) * x.advantages * x.log_prob
     metrics = {
-        "actor/pg_clipfrac": mean((ratio != weight).astype(jnp.float32)),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac": x.mean((ratio != weight).astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
     }
-    return aggregate(losses), metrics
+    return x.aggregate(losses), metrics
 
 
 @register_policy_loss("gpg")
-def gpg(*, old_log_prob, log_prob, advantages, aggregate, mean, **_):
+def gpg(x: LossInput, **_):
     """GPG, group policy gradient (Chu et al. 2025, arXiv:2504.02546): plain REINFORCE,
     loss_t = -log_prob_t A_t, aggregated with loss_agg_mode. No clipping (clip fractions 0).
     verl reports no metrics here; jrl still reports actor/ppo_kl (it is well defined)."""
-    return aggregate(-log_prob * advantages), {
-        "actor/ppo_kl": _ppo_kl(log_prob - old_log_prob, mean)
+    return x.aggregate(-x.log_prob * x.advantages), {
+        "actor/ppo_kl": _ppo_kl(x.log_prob - x.old_log_prob, x.mean)
     }
 
 
@@ -659,20 +577,7 @@ def _covariance(advantages, log_prob, mask, mean):
 
 @register_policy_loss("clip_cov")
 def clip_cov(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    aggregate,
-    mean,
-    key,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_cov_ratio,
-    clip_cov_lb,
-    clip_cov_ub,
-    **_,
+    x: LossInput, *, clip_ratio_low, clip_ratio_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, **_
 ):
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
     arXiv:2505.22617).
@@ -689,35 +594,26 @@ def clip_cov(
     clip_cov_lb, clip_cov_ub.
     """
     ratio_of_tokens = check_positive("clip_cov_ratio", clip_cov_ratio)
-    valid = response_mask != 0
-    log_ratio = log_prob - old_log_prob
-    l1, l2 = _ppo_clip_terms(advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
-    cov = _covariance(advantages, log_prob, response_mask, lambda x: masked_mean(x, response_mask))
+    valid = x.response_mask != 0
+    log_ratio = x.log_prob - x.old_log_prob
+    l1, l2 = _ppo_clip_terms(x.advantages, jnp.exp(log_ratio), clip_ratio_low, clip_ratio_high)
+    cov = _covariance(
+        x.advantages, x.log_prob, x.response_mask, lambda v: masked_mean(v, x.response_mask)
+    )
     candidate = valid & ~(l2 > l1) & (cov < clip_cov_ub) & (cov > clip_cov_lb)
     n_clip = jnp.maximum(jnp.floor(ratio_of_tokens * jnp.sum(valid)), 1.0)
-    priority = cov if key is None else jax.random.uniform(key, cov.shape)
+    priority = cov if x.key is None else jax.random.uniform(x.key, cov.shape)
     detached = candidate & _top_ranked(jnp.where(candidate, priority, -jnp.inf), n_clip)
     losses = jnp.where(detached, 0.0, jnp.maximum(l1, l2))
     metrics = {
-        "actor/pg_clipfrac": mean(detached.astype(jnp.float32)),
-        "actor/ppo_kl": _ppo_kl(log_ratio, mean),
+        "actor/pg_clipfrac": x.mean(detached.astype(jnp.float32)),
+        "actor/ppo_kl": _ppo_kl(log_ratio, x.mean),
     }
-    return aggregate(losses), metrics
+    return x.aggregate(losses), metrics
 
 
 @register_policy_loss("kl_cov")
-def kl_cov(
-    *,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    aggregate,
-    mean,
-    kl_cov_ratio,
-    ppo_kl_coef,
-    **_,
-):
+def kl_cov(x: LossInput, *, kl_cov_ratio, ppo_kl_coef, **_):
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
 
         ratio = exp(log_ratio) (no clamp);  loss_t = -A_t ratio_t, except on the k valid tokens of
@@ -728,21 +624,21 @@ def kl_cov(
     masked_mean(|log_ratio|) here, as verl reports it. Parameters: kl_cov_ratio, ppo_kl_coef.
     """
     ratio_of_tokens = check_positive("kl_cov_ratio", kl_cov_ratio)
-    valid = response_mask != 0
+    valid = x.response_mask != 0
     n_valid = jnp.sum(valid)
-    log_ratio = log_prob - old_log_prob
+    log_ratio = x.log_prob - x.old_log_prob
     abs_kl = jnp.abs(log_ratio)
-    l1 = -advantages * jnp.exp(log_ratio)
+    l1 = -x.advantages * jnp.exp(log_ratio)
     cov = _covariance(
-        advantages,
-        log_prob,
-        response_mask,
-        lambda x: masked_sum(x, valid) / jnp.maximum(n_valid, 1),
+        x.advantages,
+        x.log_prob,
+        x.response_mask,
+        lambda v: masked_sum(v, valid) / jnp.maximum(n_valid, 1),
     )
     k = jnp.maximum(jnp.floor(ratio_of_tokens * n_valid), 1.0)
     penalised = valid & _top_ranked(jnp.where(valid, cov, -jnp.inf), k)
     losses = jnp.where(penalised, l1 + ppo_kl_coef * abs_kl, l1)
-    return aggregate(losses), {"actor/ppo_kl": mean(abs_kl)}
+    return x.aggregate(losses), {"actor/ppo_kl": x.mean(abs_kl)}
 
 
 # ----------------------------------------------------------------------------- value, entropy
