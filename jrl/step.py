@@ -542,6 +542,7 @@ class StepSpec:
     eos_id: int
     pad_id: int
     max_new_tokens: int
+    stop_ids: tuple[int, ...]  # more tokens that end a response as EOS does (rollout.stop)
     micro: dict  # micro-batch counts of "log_prob", "actor", "critic" (`micro_batch_counts`)
     group: dict  # rows per prompt that the forwards share (`prompt_group`): n, or 1, per forward
     policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
@@ -579,6 +580,7 @@ def make_spec(
     eos_id: int,
     pad_id: int,
     max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
     mesh=None,
 ) -> StepSpec:
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
@@ -593,6 +595,7 @@ def make_spec(
         eos_id=eos_id,
         pad_id=pad_id,
         max_new_tokens=max_new_tokens,
+        stop_ids=tuple(stop_ids),
         micro=micro,
         group=prompt_group(cfg, micro),
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
@@ -624,6 +627,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         max_new_tokens=spec.max_new_tokens,
         eos_id=spec.eos_id,
         pad_id=spec.pad_id,
+        stop_ids=spec.stop_ids,
         temperature=1.0 if greedy else cfg.rollout.temperature,
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,
@@ -1064,6 +1068,7 @@ def make_eval(
     pad_id: int,
     max_new_tokens: int,
     num_samples: int = 0,
+    stop_ids: tuple[int, ...] = (),
 ):
     """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
     with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
@@ -1081,6 +1086,7 @@ def make_eval(
             eos_id=eos_id,
             pad_id=pad_id,
             greedy=True,
+            stop_ids=tuple(stop_ids),
         )
         scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
         metrics = {

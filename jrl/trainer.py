@@ -98,12 +98,15 @@ def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shar
     return {**init(), **loaded}
 
 
-def sampling_ids(tok, task) -> dict:
-    """The token ids and response length that make_step / make_phases / make_eval take."""
+def sampling_ids(tok, task, cfg=None) -> dict:
+    """The token ids and response length that make_step / make_phases / make_eval take; with
+    `cfg`, its `rollout.stop` as `stop_ids`."""
+    stop = tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop) if cfg is not None else ()
     return {
         "eos_id": tok.eos_token_id,
         "pad_id": tok.pad_token_id,
         "max_new_tokens": task.max_response_length,
+        "stop_ids": stop,
     }
 
 
@@ -173,6 +176,7 @@ def _build(cfg):
             **common,
             **{k: v for k, v in given.items() if v},
         )
+    tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # each one token of this tokenizer
     reward_fn = rewards.get_reward(t.reward, task, tok, **reward_options(cfg))
     policy_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
     if len(tok) > policy_cfg.vocab_size:
@@ -398,7 +402,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
-    ids = sampling_ids(tok, task)
+    ids = sampling_ids(tok, task, cfg)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     inputs = workdir_lib.fingerprints(cfg)

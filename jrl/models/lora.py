@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from jax.sharding import PartitionSpec
+from jrl.models import hub
 
 # Projection (Hugging Face's name) -> (jrl module inside a block, number of input dims of W).
 TARGETS: dict[str, tuple[str, int]] = {
@@ -234,8 +235,13 @@ def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -
 
 def base_identity(hf_path: str) -> dict:
     """What a LoRA checkpoint records of its base: `hf_path` and a fingerprint (sha256 of the
-    checkpoint's config.json and the names and sizes of its weight files)."""
+    checkpoint's config.json and the names and sizes of its weight files; of a .gguf file, its
+    name and size)."""
+    hf_path = hub.local_path(hf_path)
     digest = hashlib.sha256()
+    if os.path.isfile(hf_path):  # a .gguf file
+        digest.update(json.dumps([os.path.basename(hf_path), os.path.getsize(hf_path)]).encode())
+        return {"hf_path": os.path.abspath(hf_path), "fingerprint": digest.hexdigest()[:16]}
     with open(os.path.join(hf_path, "config.json"), "rb") as f:
         digest.update(f.read())
     sizes = {
