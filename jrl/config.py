@@ -85,6 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.name = "arithmetic"  # built-in task (jrl.data.TASKS)
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
+    c.task.few_shot = ""  # few_shot_arithmetic: worked examples before each problem; "": 3 built in
     c.task.eval_size = 256  # held-out problems in the eval split
     c.task.reward = "arithmetic_exact_match"  # jrl.rewards.names(), or "package.module:function"
     # gsm8k / math tasks (local files; nothing is downloaded):
@@ -588,7 +589,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("task.overlong_prompts", cfg.task.overlong_prompts, math_data.OVERLONG_POLICIES)
     _choice("task.prompt_format", cfg.task.prompt_format, math_data.PROMPT_FORMATS)
     _check(
-        cfg.task.name == "arithmetic" or cfg.task.train_files,
+        cfg.task.name in ("arithmetic", "few_shot_arithmetic") or cfg.task.train_files,
         f"task.name='{cfg.task.name}' reads local files: set --config.task.train_files=PATH.",
     )
     _check(

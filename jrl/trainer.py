@@ -67,7 +67,7 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     With LoRA the frozen base is held in the compute dtype (`model.dtype`)."""
     frozen = {"param_dtype": cfg.model.dtype} if step_lib.lora_on(cfg) else {}
     if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
-        hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
+        hf_cfg = models.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
         return dataclasses.replace(
             hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
         )
@@ -161,6 +161,11 @@ def _build(cfg):
     )
     if t.name == "arithmetic":
         task = data.make_task(t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **common)
+    elif t.name == "few_shot_arithmetic":
+        prefix = {"prefix": t.few_shot} if t.few_shot else {}
+        task = data.make_task(
+            t.name, tok, num_digits=t.num_digits, ops=tuple(t.ops), **prefix, **common
+        )
     else:
         given = dict(
             question_field=t.question_field, answer_field=t.answer_field, template=t.template

@@ -7,6 +7,7 @@ import huggingface_hub
 import pytest
 
 from jrl import config as config_lib
+from jrl import models
 from jrl.models import hf, hub
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -27,8 +28,8 @@ def test_hub_id_is_downloaded_once_into_the_cache_and_loaded(monkeypatch):
         return os.path.join(GOLDEN, "qwen3")  # stands in for the snapshot in the HF cache
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    cfg = hf.load_config("someorg/tiny-qwen3")
-    cfg2, _ = hf.load_pretrained("someorg/tiny-qwen3")
+    cfg = models.load_config("someorg/tiny-qwen3")
+    cfg2, _ = models.load_pretrained("someorg/tiny-qwen3")
     assert cfg == cfg2 == hf.load_config(os.path.join(GOLDEN, "qwen3"))
     assert [c[0] for c in calls] == ["someorg/tiny-qwen3"]  # memoised: one call per process
     patterns = calls[0][1]["allow_patterns"]
@@ -52,7 +53,7 @@ def test_offline_gives_one_line_naming_what_to_pass(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ValueError) as e:
-        hf.load_config("someorg/tiny")
+        models.load_config("someorg/tiny")
     message = str(e.value)
     assert "\n" not in message
     assert message == (

@@ -8,6 +8,9 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
   "arithmetic"  built-in synthetic arithmetic (jrl/data/arithmetic.py); kwargs: num_digits, ops,
                 eval_size, seed, max_prompt_length, max_response_length. Batches carry
                 `answer_ids` / `answer_len` for the JAX reward "arithmetic_exact_match".
+  "few_shot_arithmetic"  the same problems after worked examples, `12+7=19\n...\n37+48=`, for a
+                pretrained model (FewShotArithmeticTask); kwargs: those of "arithmetic" and prefix.
+                Batches carry `row_id` / `split` for the host reward "first_line".
   "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
@@ -19,12 +22,20 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
     "math", "format" and user reward functions.
 """
 
-from jrl.data.arithmetic import ArithmeticTask
+from jrl.data.arithmetic import ArithmeticTask, FewShotArithmeticTask
 from jrl.data.math_data import MathTask, gsm8k_task, math_task
 from jrl.registry import Registry
 
 # name -> (tokenizer, **kwargs) -> task
-TASKS = Registry("task", {"arithmetic": ArithmeticTask, "gsm8k": gsm8k_task, "math": math_task})
+TASKS = Registry(
+    "task",
+    {
+        "arithmetic": ArithmeticTask,
+        "few_shot_arithmetic": FewShotArithmeticTask,
+        "gsm8k": gsm8k_task,
+        "math": math_task,
+    },
+)
 
 
 def make_task(name: str, tokenizer, **kwargs):
@@ -33,4 +44,12 @@ def make_task(name: str, tokenizer, **kwargs):
     return TASKS.get(name)(tokenizer, **kwargs)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "MathTask", "gsm8k_task", "make_task", "math_task"]
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "FewShotArithmeticTask",
+    "MathTask",
+    "gsm8k_task",
+    "make_task",
+    "math_task",
+]

@@ -23,6 +23,7 @@ import contextlib
 import os
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import transformers
@@ -292,6 +293,17 @@ def open_tensors(path, cfg: tfm.ModelConfig) -> Iterator[hf.TensorSource]:
     yield hf.TensorSource(
         shapes=lambda: {hf_name: f.shape(name) for hf_name, name in by_name.items()}, read=read
     )
+
+
+def load_pretrained(
+    path, dtype: str = "float32", shardings=None, place: hf.Place | None = None
+) -> tuple[tfm.ModelConfig, Any]:
+    """(ModelConfig, params) of a .gguf file, streamed into devices or `shardings` one tensor at
+    a time as `jrl.models.hf.load_pretrained` does."""
+    path = os.fspath(path)
+    cfg = load_config(path, dtype)
+    with open_tensors(path, cfg) as source:
+        return cfg, hf.load_tensors(cfg, source, path, dtype, shardings, place)
 
 
 def load_tokenizer(path) -> transformers.PreTrainedTokenizerFast:

@@ -31,7 +31,6 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jrl import partitioning
-from jrl.models import hub
 from jrl.models import transformer as tfm
 from jrl.registry import Registry
 
@@ -421,19 +420,11 @@ def _weight_files(path: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _is_gguf(path: str) -> bool:
-    return path.lower().endswith(".gguf")
-
-
 def load_config(path, dtype: str = "float32") -> tfm.ModelConfig:
     """ModelConfig of a local Hugging Face checkpoint directory (its `config.json`; no weights
-    are read) or of a `.gguf` file (its metadata), compute and weights in `dtype`. Raises
-    ValueError for a missing directory or config and for an unsupported family."""
-    path = hub.local_path(os.fspath(path))  # a Hub id: its snapshot in the HF cache
-    if _is_gguf(path):
-        from jrl.models import gguf  # the optional `gguf` package, only for .gguf files
-
-        return gguf.load_config(path, dtype)
+    are read), compute and weights in `dtype`. Raises ValueError for a missing directory or
+    config and for an unsupported family."""
+    path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path!r} does not exist; pass a local directory.")
     config_path = os.path.join(path, CONFIG_FILE)
@@ -478,9 +469,8 @@ def _place(value: np.ndarray, sharding, place: Place) -> jax.Array:
 def load_pretrained(
     path, dtype: str = "float32", shardings=None, place: Place | None = None
 ) -> tuple[tfm.ModelConfig, Any]:
-    """(ModelConfig, params) of a local Hugging Face checkpoint directory, of a `.gguf` file
-    (jrl.models.gguf: weights dequantized, config from its metadata), or of a Hub id `org/name`
-    (jrl.models.hub: downloaded into the Hugging Face cache).
+    """(ModelConfig, params) of a local Hugging Face checkpoint directory (`jrl.models.
+    load_pretrained` also takes a .gguf file or a Hub id).
 
     The directory holds `config.json` and `model.safetensors` (or shards listed in
     `model.safetensors.index.json`). Params come back as a nested dict of jax arrays in `dtype`
@@ -504,13 +494,7 @@ def load_pretrained(
             mesh, hf.abstract_params(cfg), transformer.logical_axes(cfg))
         cfg, params = hf.load_pretrained(path, dtype, shardings)
     """
-    path = hub.local_path(os.fspath(path))  # a Hub id: its snapshot in the HF cache
-    if _is_gguf(path):
-        from jrl.models import gguf  # the optional `gguf` package, only for .gguf files
-
-        cfg = gguf.load_config(path, dtype)
-        with gguf.open_tensors(path, cfg) as source:
-            return cfg, load_tensors(cfg, source, path, dtype, shardings, place)
+    path = os.fspath(path)
     cfg = load_config(path, dtype)
     files = _weight_files(path)
     with contextlib.ExitStack() as stack:

@@ -17,13 +17,15 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`.
                 timeout_s (per answer, default 5.0), num_workers (default 2).
       "format"  1.0 when the response states a final answer in the task's form (`####` for
                 gsm8k, boxed for math); option: style ("gsm8k" | "boxed").
+      "first_line" the response's text up to its first newline equals the ground truth
+                (the few_shot_arithmetic task).
       "package.module:function" (or "user:package.module:function"): a user score function
                 `(responses: list[str], ground_truths: list[str]) -> list[float]`.
 """
 
 from jrl.registry import Registry, UnknownName
 from jrl.rewards import math as math_rewards
-from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match
+from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match, first_line
 from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
 
 # name -> JAX reward fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]
@@ -47,6 +49,7 @@ HOST_REWARDS = Registry(
         "gsm8k": lambda task, **options: math_rewards.Gsm8kScore(**options),
         "math": lambda task, **options: math_rewards.MathScore(**options),
         "format": _format_score,
+        "first_line": lambda task, **options: first_line,
     },
 )
 
