@@ -20,6 +20,7 @@ Supported `general.architecture`s: `ARCHITECTURES`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import struct
 from collections.abc import Iterator
@@ -260,8 +261,24 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, stamp: tuple) -> GGUFFile:
+    del stamp  # part of the cache key only: a rewritten file is parsed again
+    return GGUFFile(path)
+
+
+def open_file(path) -> GGUFFile:
+    """The parsed header of `path`, kept for the next caller (config, weights and tokenizer each
+    read it; a 262k-token vocabulary takes seconds to parse)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return GGUFFile(path)  # raises its one-line error
+    st = os.stat(path)
+    return _parsed(os.path.abspath(path), (st.st_mtime_ns, st.st_size))
+
+
 def _file_and_config(path: str, dtype: str) -> tuple[GGUFFile, tfm.ModelConfig]:
-    f = GGUFFile(path)
+    f = open_file(path)
     shapes = {name: f.shape(name) for name in f.tensors}
     return f, hf.model_config_from_hf(hf_config(f.metadata, shapes), dtype)
 
@@ -312,7 +329,7 @@ def load_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
     from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
 
     path = os.fspath(path)
-    meta = GGUFFile(path).metadata
+    meta = open_file(path).metadata
     arch = meta.get("general.architecture")
     groups = {
         group: {
