@@ -326,8 +326,14 @@ def load_pretrained(
 def load_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
     """The tokenizer the file's metadata describes, built with transformers' GGUF tokenizer
     builders (without its torch-based file reader)."""
-    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
-
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+    except ImportError:
+        raise ValueError(
+            f"transformers {transformers.__version__} has no GGUF tokenizer builders "
+            "(transformers.integrations.gguf.gguf_tokenizer_mapping): pip install -U "
+            "transformers, or pass --config.tokenizer=DIR (a tokenizer saved by transformers)."
+        ) from None
     path = os.fspath(path)
     meta = open_file(path).metadata
     arch = meta.get("general.architecture")
