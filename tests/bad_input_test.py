@@ -109,6 +109,8 @@ def run_cli(workdir, args):
     """`python -m jrl.train` on args, after the tiny config unless args name a --config."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_LOG_COMPILES": "1"}
     tiny = [] if any(a.startswith("--config=") for a in args) else [TINY]
+    # Hub ids never reach the network here: offline, and an empty Hugging Face cache
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=os.path.join(os.path.dirname(workdir), "hf_home"))
     return subprocess.run(
         [sys.executable, "-m", "jrl.train", *tiny, f"--workdir={workdir}", *args],
         cwd=REPO,
@@ -200,6 +202,23 @@ CASES = {
     "corrupt_tokenizer": (
         ["--config.tokenizer=DATA/corrupt_tokenizer"],
         ["error: could not load a tokenizer from 'DATA/corrupt_tokenizer'"],
+    ),
+    "hub_id_while_offline": (
+        ["--config.model.hf_path=someorg/some-model", "--config.tokenizer="],
+        [
+            "error: model.hf_path='someorg/some-model' is not a local path, and downloading it "
+            "from the Hugging Face Hub failed (",
+            "pass a local checkpoint directory (config.json + safetensors) or a .gguf file "
+            "instead, e.g. --config.model.hf_path=/path/to/model.",
+        ],
+    ),
+    "missing_gguf_file": (
+        ["--config.model.hf_path=DATA/none.gguf", "--config.tokenizer="],
+        ["error: model.hf_path='DATA/none.gguf': no such .gguf file; pass an existing file"],
+    ),
+    "stop_string_of_two_tokens": (
+        ["--config.rollout.stop=('12',)"],
+        ["error: rollout.stop string '12' is not one token of this tokenizer"],
     ),
     "prompt_too_long_with_error_setting": (
         [

@@ -274,3 +274,16 @@ def test_state_per_device_fits_with_room_for_activations(probe, preset):
     assert state["opt_state"] < 2.01 * state["params"] + 1024  # Adam mu, nu (+ a step count)
     print(f"{preset}: {state['total'] / 1e9:.2f} GB of {hbm / 1e9:.1f} GB per device")
     assert state["total"] < STATE_LIMIT * hbm, (state, hbm)
+
+
+def test_gemma_cpu_config_validates_and_stops_at_a_newline(tmp_path):
+    from configs import grpo_gemma_cpu
+
+    cfg = grpo_gemma_cpu.get_config()
+    cfg.model.hf_path = str(tmp_path / "gemma.gguf")  # validate checks only that it exists
+    (tmp_path / "gemma.gguf").write_bytes(b"GGUF")
+    config_lib.validate(cfg)
+    assert cfg.rollout.stop == ("\n",) and cfg.task.reward == "first_line"
+    assert cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size  # one update per step
+    with pytest.raises(config_lib.ConfigError, match="this config has no presets"):
+        grpo_gemma_cpu.get_config("tiny")

@@ -175,3 +175,34 @@ def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
     # the n samples of a prompt differ (they are samples, not copies)
     ids = np.asarray(once.response_ids).reshape(len(PROMPTS), n, R)
     assert any(len({tuple(r) for r in group}) > 1 for group in ids)
+
+
+def test_stop_ids_end_a_row_like_eos(params):
+    """rollout.stop: a row ends at its first stop token (kept, mask 1), pad after; rows and
+    log-probs up to there are those of the run without stop ids. eos_id=-1: only stops end."""
+    run = lambda stop_ids: rollout.generate(
+        CFG,
+        params,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(PMASK),
+        jax.random.key(5),
+        max_new_tokens=R,
+        eos_id=-1,
+        pad_id=PAD,
+        stop_ids=stop_ids,
+    )
+    free = run(())
+    ids, logp = np.asarray(free.response_ids), np.asarray(free.log_probs)
+    assert np.all(np.asarray(free.response_mask) == 1)
+    stops = (int(ids[0, 1]), int(ids[1, 2]))  # tokens rows 0 and 1 draw early on
+    out = run(stops)
+    hits = 0
+    for b in range(len(PROMPTS)):
+        found = np.flatnonzero(np.isin(ids[b], stops))
+        end = found[0] + 1 if len(found) else R
+        hits += end < R
+        np.testing.assert_array_equal(np.asarray(out.response_mask[b]), np.arange(R) < end)
+        np.testing.assert_array_equal(np.asarray(out.response_ids[b, :end]), ids[b, :end])
+        assert np.all(np.asarray(out.response_ids[b, end:]) == PAD)
+        np.testing.assert_allclose(np.asarray(out.log_probs[b, :end]), logp[b, :end], atol=1e-6)
+    assert hits >= 2

@@ -87,3 +87,18 @@ def test_load_sets_pad_to_eos(tok, tmp_path):
 
 def test_get_tokenizer_char():
     assert tok_lib.get_tokenizer("char").get_vocab() == tok_lib.char_tokenizer().get_vocab()
+
+
+def test_stop_token_ids_of_strings_and_ids():
+    tok = tok_lib.char_tokenizer()
+    assert tok_lib.stop_token_ids(tok, ("=", 2, ";")) == (
+        18,
+        2,
+        tok.convert_tokens_to_ids(";"),
+    )
+    with pytest.raises(ValueError, match=r"rollout.stop string '12' is not one token"):
+        tok_lib.stop_token_ids(tok, ("12",))
+    with pytest.raises(ValueError, match="is not one token"):  # a newline is <unk> here
+        tok_lib.stop_token_ids(tok, ("\n",))
+    with pytest.raises(ValueError, match="token id 88 is outside the tokenizer's 88 ids"):
+        tok_lib.stop_token_ids(tok, (88,))

@@ -9,6 +9,9 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
   "arithmetic"  built-in synthetic arithmetic (jrl/data/arithmetic.py); kwargs: num_digits, ops,
                 eval_size, seed, max_prompt_length, max_response_length. Batches carry
                 `answer_ids` / `answer_len` for the JAX reward "arithmetic_exact_match".
+  "few_shot_arithmetic"  the same problems after worked examples, `12+7=19\n...\n37+48=`, for a
+                pretrained model (FewShotArithmeticTask); kwargs: those of "arithmetic" and prefix.
+                Batches carry `row_id` / `split` for the host reward "first_line".
   "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
@@ -25,7 +28,7 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
 from collections.abc import Callable
 from typing import NamedTuple
 
-from jrl.data.arithmetic import ArithmeticTask
+from jrl.data.arithmetic import ArithmeticTask, FewShotArithmeticTask
 from jrl.data.math_data import MathTask, custom_task, gsm8k_task, math_task
 from jrl.registry import Registry
 
@@ -39,6 +42,11 @@ class Entry(NamedTuple):
 
 def _arithmetic_options(t) -> dict:
     return dict(num_digits=t.num_digits, ops=tuple(t.ops))
+
+
+def _few_shot_options(t) -> dict:
+    """few_shot_arithmetic: the arithmetic options and the worked examples ("": the built-in)."""
+    return dict(_arithmetic_options(t), **({"prefix": t.few_shot} if t.few_shot else {}))
 
 
 def _file_options(t) -> dict:
@@ -59,6 +67,7 @@ TASKS = Registry(
     "task",
     {
         "arithmetic": Entry(ArithmeticTask, _arithmetic_options),
+        "few_shot_arithmetic": Entry(FewShotArithmeticTask, _few_shot_options),
         "gsm8k": Entry(gsm8k_task, _file_options),
         "math": Entry(math_task, _file_options),
         "custom": Entry(custom_task, _file_options),
@@ -88,6 +97,7 @@ def task_options(cfg) -> dict:
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "FewShotArithmeticTask",
     "MathTask",
     "custom_task",
     "gsm8k_task",

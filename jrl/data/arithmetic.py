@@ -210,3 +210,52 @@ class ArithmeticTask:
         ids, mask = np.asarray(response_ids), np.asarray(response_mask)
         rows = [row[m > 0].tolist() for row, m in zip(ids, mask)]
         return self.tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+
+
+# Worked examples before each problem of `FewShotArithmeticTask` (one a line).
+FEW_SHOT = "12+7=19\n30+45=75\n8+61=69\n"
+
+
+class FewShotArithmeticTask(ArithmeticTask):
+    """The same problems for a pretrained language model: each prompt is `prefix` (worked
+    examples, one a line) then the problem, `<bos>12+7=19\\n30+45=75\\n8+61=69\\n37+48=`, and the
+    answer is scored on its text by a host reward ("first_line": the response up to its first
+    newline is the answer). Batches also carry `row_id` (the problem number) and `split` (0
+    train, 1 eval) for `ground_truths_for`. `max_prompt_length` defaults to the longest prompt's
+    tokens plus 4 (a tokenizer may split some operands into more tokens than the extremes)."""
+
+    def __init__(self, tokenizer, *, prefix: str = FEW_SHOT, **kwargs):
+        self.prefix = prefix
+        if kwargs.get("max_prompt_length") is None:
+            top = 10 ** kwargs.get("num_digits", 2) - 1
+            texts = [
+                prefix + problem_text(a, op, b)
+                for op in kwargs.get("ops", ("+",))
+                for a in (0, top)
+                for b in (0, top)
+            ]
+            lengths = map(len, tokenizer(texts, add_special_tokens=False)["input_ids"])
+            kwargs["max_prompt_length"] = 1 + max(lengths) + 4  # bos, prompt, slack
+        super().__init__(tokenizer, **kwargs)
+
+    def _numbers(self, problems: Problems) -> np.ndarray:
+        """`Problems` -> their problem numbers (the inverse of `_problems`)."""
+        op_index = np.array([self.ops.index(op) for op in problems.op.tolist()], np.int64)
+        return (op_index * self._base + problems.a) * self._base + problems.b
+
+    def encode(self, problems: Problems) -> dict:
+        triples = list(zip(problems.a.tolist(), problems.op.tolist(), problems.b.tolist()))
+        encode = lambda texts: self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        prompts = encode([self.prefix + problem_text(*t) for t in triples]) if triples else []
+        answers = encode([answer_text(*t) for t in triples]) if triples else []
+        out = self._encode_tokens(prompts, answers)
+        numbers = self._numbers(problems).astype(np.int32)
+        out["row_id"] = numbers
+        out["split"] = np.isin(numbers, self._eval_index).astype(np.int32)
+        return out
+
+    def ground_truths_for(self, split, row_id) -> list[str]:
+        """The answer text of each problem number (the split is implied by the number)."""
+        del split
+        problems = self._problems(np.asarray(row_id, np.int64))
+        return [answer_text(*t) for t in zip(problems.a, problems.op, problems.b)]

@@ -1,7 +1,9 @@
 """Models: one decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3 families, and
-Hugging Face checkpoints in (`load_pretrained`) and out (`save_pretrained`)."""
+checkpoints in (`load_pretrained`, `load_config`: a Hugging Face directory, a .gguf file or a Hub
+id) and out (`save_pretrained`, Hugging Face's format)."""
 
-from jrl.models.hf import load_pretrained, model_config_from_hf, save_pretrained
+from jrl.models.hf import model_config_from_hf, save_pretrained
+from jrl.models.pretrained import load_config, load_pretrained
 from jrl.models.transformer import (
     ModelConfig,
     Transformer,
@@ -22,6 +24,7 @@ __all__ = [
     "forward",
     "init_cache",
     "init_params",
+    "load_config",
     "load_pretrained",
     "logical_axes",
     "model_config_from_hf",

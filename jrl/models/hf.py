@@ -455,11 +455,6 @@ def _flat_shardings(shardings, keys) -> dict[tuple[str, ...], Any]:
     return {k: flat[k] for k in keys}
 
 
-def _host_tensor(f, name: str, layout: str, shape, dtype: str) -> np.ndarray:
-    """One checkpoint tensor read from the open safetensors file `f`, in jrl's layout and dtype."""
-    return _LAYOUTS[layout][1](f.get_tensor(name), shape).astype(jax.numpy.dtype(dtype))
-
-
 # place(host array, sharding) -> jax.Array in that sharding.
 Place = Callable[[np.ndarray, jax.sharding.Sharding], jax.Array]
 
@@ -474,7 +469,8 @@ def _place(value: np.ndarray, sharding, place: Place) -> jax.Array:
 def load_pretrained(
     path, dtype: str = "float32", shardings=None, place: Place | None = None
 ) -> tuple[tfm.ModelConfig, Any]:
-    """(ModelConfig, params) of a local Hugging Face checkpoint directory.
+    """(ModelConfig, params) of a local Hugging Face checkpoint directory (`jrl.models.
+    load_pretrained` also takes a .gguf file or a Hub id).
 
     The directory holds `config.json` and `model.safetensors` (or shards listed in
     `model.safetensors.index.json`). Params come back as a nested dict of jax arrays in `dtype`
@@ -501,47 +497,70 @@ def load_pretrained(
     path = os.fspath(path)
     cfg = load_config(path, dtype)
     files = _weight_files(path)
+    with contextlib.ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(safe_open(file, framework="np"))
+            for file in sorted(set(files.values()))
+        }
+        source = TensorSource(
+            shapes=lambda: {
+                n: tuple(handles[f].get_slice(n).get_shape()) for n, f in files.items()
+            },
+            read=lambda name: handles[files[name]].get_tensor(name),
+        )
+        return cfg, load_tensors(cfg, source, path, dtype, shardings, place)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Where a checkpoint's tensors come from, under their Hugging Face names and layouts."""
+
+    shapes: Callable[[], dict[str, tuple[int, ...]]]  # every tensor's name -> shape (headers only)
+    read: Callable[[str], np.ndarray]  # one tensor's values
+
+
+def load_tensors(
+    cfg: tfm.ModelConfig,
+    source: TensorSource,
+    path: str,
+    dtype: str = "float32",
+    shardings=None,
+    place: Place | None = None,
+) -> Any:
+    """The params of `cfg` read from `source` one tensor at a time (as `load_pretrained` says);
+    names, shapes and unexpected tensors are checked before any tensor is read."""
+    stored = source.shapes()
     shapes = traverse_util.flatten_dict(abstract_params(cfg))
     tensors = {key: hf_tensors(cfg, key, shape.shape) for key, shape in shapes.items()}
     names = [hf for parts in tensors.values() for hf, _, _ in parts]
-    missing = [hf for hf in names if hf not in files]
+    missing = [hf for hf in names if hf not in stored]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors: {', '.join(missing[:8])}.")
     known = set(names) | {"lm_head.weight"}
-    unexpected = [n for n in files if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
+    unexpected = [n for n in stored if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         raise ValueError(
             f"checkpoint {path!r} has tensors jrl's {cfg.hf_model_type} decoder does not use: "
             f"{', '.join(sorted(unexpected)[:8])}."
         )
+    for hf, layout, shape in (t for parts in tensors.values() for t in parts):
+        want = _hf_shape(layout, shape)
+        if tuple(stored[hf]) != want:
+            raise ValueError(
+                f"tensor {hf} has shape {tuple(stored[hf])}, the config implies {want}."
+            )
     placements = _flat_shardings(shardings, shapes)
     place = place or partitioning.put
+    host = jax.numpy.dtype(dtype)
+    read = lambda hf, layout, shape: _LAYOUTS[layout][1](source.read(hf), shape).astype(host)
     flat = {}
-    with contextlib.ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(file, framework="np"))
-            for file in sorted({files[hf] for hf in names})
-        }
-        for hf, layout, shape in (t for parts in tensors.values() for t in parts):
-            stored = tuple(handles[files[hf]].get_slice(hf).get_shape())
-            want = _hf_shape(layout, shape)
-            if stored != want:
-                raise ValueError(f"tensor {hf} has shape {stored}, config.json implies {want}.")
-        for key, parts in tensors.items():
-            read = lambda hf, layout, shape: _host_tensor(
-                handles[files[hf]], hf, layout, shape, dtype
-            )
-            if key[0] != "layers":
-                flat[key] = _place(read(*parts[0]), placements[key], place)
-            else:  # stacked: filled on the devices one layer at a time
-                flat[key] = _place_stacked(
-                    (read(*part) for part in parts),
-                    shapes[key].shape,
-                    dtype,
-                    placements[key],
-                    place,
-                )
-    return cfg, traverse_util.unflatten_dict(flat)
+    for key, parts in tensors.items():
+        if key[0] != "layers":
+            flat[key] = _place(read(*parts[0]), placements[key], place)
+        else:  # stacked: filled on the devices one layer at a time
+            layers = (read(*part) for part in parts)
+            flat[key] = _place_stacked(layers, shapes[key].shape, dtype, placements[key], place)
+    return traverse_util.unflatten_dict(flat)
 
 
 def _place_stacked(layers, shape, dtype: str, sharding, place: Place) -> jax.Array:

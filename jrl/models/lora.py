@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from jax.sharding import PartitionSpec
+from jrl.models import hub
 
 from jrl.models import transformer
 
@@ -301,8 +302,13 @@ def state_axes(cfg, abstract_state, policy_axes, critic_axes=None) -> dict:
 
 def base_identity(hf_path: str) -> dict:
     """What a LoRA checkpoint records of its base: `hf_path` and a fingerprint (sha256 of the
-    checkpoint's config.json and the names and sizes of its weight files)."""
+    checkpoint's config.json and the names and sizes of its weight files; of a .gguf file, its
+    name and size)."""
+    hf_path = hub.local_path(hf_path)
     digest = hashlib.sha256()
+    if os.path.isfile(hf_path):  # a .gguf file
+        digest.update(json.dumps([os.path.basename(hf_path), os.path.getsize(hf_path)]).encode())
+        return {"hf_path": os.path.abspath(hf_path), "fingerprint": digest.hexdigest()[:16]}
     with open(os.path.join(hf_path, "config.json"), "rb") as f:
         digest.update(f.read())
     sizes = {

@@ -18,6 +18,8 @@ from its config's `task` section (`reward_options`).
                 timeout_s (per answer, default 5.0), num_workers (default 2).
       "format"  1.0 when the response states a final answer in the task's form (`####` for
                 gsm8k, boxed for math); option: style ("gsm8k" | "boxed").
+      "first_line" the response's text up to its first newline equals the ground truth
+                (the few_shot_arithmetic task).
       "package.module:function" (or "user:package.module:function"; the module imported from
                 the current directory or PYTHONPATH) or "path/to/file.py:function" (the file
                 loaded from its path): a user score function
@@ -29,7 +31,7 @@ from typing import NamedTuple
 
 from jrl.registry import Registry, UnknownName
 from jrl.rewards import math as math_rewards
-from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match
+from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match, first_line
 from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
 
 # name -> JAX reward fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]
@@ -72,6 +74,7 @@ HOST_REWARDS = Registry(
         "gsm8k": HostReward(lambda task, **o: math_rewards.Gsm8kScore(**o), _gsm8k_options),
         "math": HostReward(lambda task, **o: math_rewards.MathScore(**o), _math_options),
         "format": HostReward(_format_score, lambda t: {}),
+        "first_line": HostReward(lambda task, **o: first_line, lambda t: {}),
     },
 )
 

@@ -43,3 +43,9 @@ def arithmetic_exact_match(batch, response_ids, response_mask, *, eos_id: int):
     return exact_match(
         response_ids, response_mask, batch["answer_ids"], batch["answer_len"], eos_id=eos_id
     )
+
+
+def first_line(responses, ground_truths) -> list[float]:
+    """Host reward "first_line": 1.0 when a response's text before its first newline (all of
+    it when it has none) equals the ground truth exactly, else 0.0."""
+    return [float(r.split("\n", 1)[0] == g) for r, g in zip(responses, ground_truths)]

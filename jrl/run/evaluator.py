@@ -47,6 +47,7 @@ def make_sampled_scores(
     top_k: int = 0,
     top_p: float = 1.0,
     greedy: bool = False,
+    stop_ids: tuple[int, ...] = (),
 ):
     """`scores(params, batch, key, temperature) -> [N, k]`: the reward of k answers sampled for
     each of the N prompts (row i * k + j of the rollout is sample j of prompt i). The temperature
@@ -68,6 +69,7 @@ def make_sampled_scores(
             top_k=top_k,
             top_p=top_p,
             greedy=greedy,
+            stop_ids=tuple(stop_ids),
         )
         s = reward_fn(rows, out.response_ids, out.response_mask, eos_id=eos_id)
         return s.reshape(-1, k)
@@ -105,7 +107,7 @@ class Evaluator:
         self.tokenizer, self.task, self.reward_fn, self.model_cfg = trainer.build(cfg)
         self.params, self.step = checkpoint_lib.restore_params(workdir, cfg, self.model_cfg, step)
         self.batch = self.task.eval_batch()
-        self._ids = trainer.sampling_ids(self.tokenizer, self.task)
+        self._ids = trainer.sampling_ids(self.tokenizer, self.task, cfg)
         self._greedy = None
         self._sampled = {}
         self.num_samples = num_samples  # greedy answers kept for `sample_rows`

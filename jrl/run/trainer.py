@@ -71,7 +71,7 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
     With LoRA the frozen base is held in the compute dtype (`model.dtype`)."""
     frozen = {"param_dtype": cfg.model.dtype} if lora_lib.lora_on(cfg) else {}
     if cfg.model.hf_path:  # the checkpoint's architecture, computed as model.* says
-        hf_cfg = models.hf.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
+        hf_cfg = models.load_config(cfg.model.hf_path, dtype=cfg.model.param_dtype)
         return dataclasses.replace(
             hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
         )
@@ -109,12 +109,15 @@ def policy_model(cfg) -> tuple:
     return tok, model_cfg
 
 
-def sampling_ids(tok, task) -> dict:
-    """The token ids and response length that make_step / make_phases / make_eval take."""
+def sampling_ids(tok, task, cfg=None) -> dict:
+    """The token ids and response length that make_step / make_phases / make_eval take; with
+    `cfg`, its `rollout.stop` as `stop_ids`."""
+    stop = tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop) if cfg is not None else ()
     return {
         "eos_id": tok.eos_token_id,
         "pad_id": tok.pad_token_id,
         "max_new_tokens": task.max_response_length,
+        "stop_ids": stop,
     }
 
 
@@ -147,6 +150,7 @@ def build(cfg):
 def _build(cfg):
     tok, policy_cfg = policy_model(cfg)
     task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
+    tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # each one token of this tokenizer
     reward_fn = rewards.get_reward(cfg.task.reward, task, tok, **rewards.reward_options(cfg.task))
     if len(tok) > policy_cfg.vocab_size:
         raise config_lib.ConfigError(
@@ -342,7 +346,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
-    ids = sampling_ids(tok, task)
+    ids = sampling_ids(tok, task, cfg)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     inputs = workdir_lib.fingerprints(cfg)
@@ -458,6 +462,7 @@ def make_eval(
     pad_id: int,
     max_new_tokens: int,
     num_samples: int = 0,
+    stop_ids: tuple[int, ...] = (),
 ):
     """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
     with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
@@ -475,6 +480,7 @@ def make_eval(
             eos_id=eos_id,
             pad_id=pad_id,
             greedy=True,
+            stop_ids=tuple(stop_ids),
         )
         scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
         metrics = {
