@@ -9,6 +9,7 @@ import pytest
 from jrl import config as config_lib
 from jrl import models
 from jrl.models import hf, hub
+from conftest import tiny_config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -65,7 +66,7 @@ def test_offline_gives_one_line_naming_what_to_pass(monkeypatch):
 
 
 def test_validate_accepts_hub_ids_and_gguf_files(tmp_path):
-    cfg = config_lib.math_base("tiny")
+    cfg = tiny_config()
     cfg.tokenizer = ""
     cfg.model.hf_path = "someorg/tiny"
     config_lib.validate(cfg)  # fetched later, by the loader
