@@ -6,7 +6,7 @@ import threading
 import time
 
 COUNTS = {"calls": 0, "answered": 0, "raised": 0, "slept": 0}
-SLEEP_S = 0.5  # past the tests' rollout.multi_turn.tool_timeout
+SLEEP_S = 1.0  # past the tests' rollout.multi_turn.tool_timeout
 _LOCK = threading.Lock()
 
 
