@@ -171,40 +171,43 @@ def test_the_training_forward_attends_over_tool_tokens(scored):
     )
 
 
-def _policy_grads(spec, state, exp, where, monkeypatch):
-    """Gradients of the update's policy loss (one mini-batch of every row) with the log-probs
-    and entropies at `where` [B, R] perturbed by a term of the hidden state (a path of its own
-    into every parameter)."""
-    original = logprobs.token_log_probs
-
-    def perturbed(model_cfg, hidden, head, targets, *args):
-        log_prob, entropy, *extra = original(model_cfg, hidden, head, targets, *args)
-        noise = jnp.asarray(where, jnp.float32) * 5.0 * jnp.tanh(jnp.sum(hidden, -1))
-        entropy = None if entropy is None else entropy + noise
-        return (log_prob + noise, entropy, *extra)
-
-    monkeypatch.setattr(logprobs, "token_log_probs", perturbed)
+def policy_grads(spec, exp):
+    """`grads(params, where)`, jitted once: gradients of the update's policy loss (one mini-batch
+    of every row) with the log-probs and entropies at `where` [B, R] perturbed by a term of the
+    hidden state (a path of its own into every parameter)."""
     keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "response_valid"]
     keys += ["advantages", "old_log_prob", "ref_log_prob"]
     mb = {k: jnp.asarray(exp[k]) for k in keys if k in exp}
     counts = step_lib.mini_batch_counts(spec, mb)
-    loss = lambda p: step_lib.actor_loss(p, mb, spec, counts, None, 1.0, jax.random.key(3))
-    grads = jax.jit(jax.grad(loss, has_aux=True))(state.params)[0]
-    monkeypatch.setattr(logprobs, "token_log_probs", original)
-    return jax.device_get(grads)
+    original = logprobs.token_log_probs
+
+    def grads(params, where):
+        def perturbed(model_cfg, hidden, head, targets, *args):
+            log_prob, entropy, *extra = original(model_cfg, hidden, head, targets, *args)
+            noise = where * 5.0 * jnp.tanh(jnp.sum(hidden, -1))
+            entropy = None if entropy is None else entropy + noise
+            return (log_prob + noise, entropy, *extra)
+
+        logprobs.token_log_probs = perturbed  # while tracing
+        try:
+            loss = lambda p: step_lib.actor_loss(p, mb, spec, counts, None, 1.0, jax.random.key(3))
+            return jax.grad(loss, has_aux=True)(params)[0]
+        finally:
+            logprobs.token_log_probs = original
+
+    return jax.jit(grads)
 
 
-def test_perturbing_the_outputs_at_tool_positions_leaves_the_gradients_unchanged(
-    scored, monkeypatch
-):
+def test_perturbing_the_outputs_at_tool_positions_leaves_the_gradients_unchanged(scored):
     """The policy loss, KL loss and entropy read tool positions through response_mask (0): noise
     there changes no gradient; the same noise at model positions does (the check can fail)."""
     spec, state, exp = scored
     assert np.any(exp["advantages"] != 0)
-    nothing = np.zeros_like(exp["response_mask"])
-    base = _policy_grads(spec, state, exp, nothing, monkeypatch)
-    at_tools = _policy_grads(spec, state, exp, tool_tokens(exp), monkeypatch)
-    at_model = _policy_grads(spec, state, exp, exp["response_mask"] == 1, monkeypatch)
+    grads = policy_grads(spec, exp)
+    at = lambda where: jax.device_get(grads(state.params, jnp.asarray(where, jnp.float32)))
+    base = at(np.zeros_like(exp["response_mask"]))
+    at_tools = at(tool_tokens(exp))
+    at_model = at(exp["response_mask"] == 1)
     for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(at_tools)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
     moved = [
