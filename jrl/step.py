@@ -17,6 +17,11 @@ values, KL in the reward, advantages), `update` (PPO epochs of mini-batch update
 chains them and `make_step` binds it to a spec. The forwards come from `jrl.logprobs`, the
 micro-batches from `jrl.microbatch`, a LoRA run's params from `jrl.models.lora`; what a variant
 needs (an estimator's inputs and critic) the step reads from its registry entry.
+
+With a tool host (`StepSpec.tool_host`, rollout.multi_turn.enable) the rollout is multi-turn
+(`jrl.multi_turn`): tool tokens sit in the response with `response_mask` 0 and
+`response_valid` 1; the reward and the forwards read `response_valid`, everything else
+`response_mask` (docs/multi_turn.md#in-the-step).
 """
 
 from __future__ import annotations
