@@ -567,6 +567,11 @@ def _validate_multi_turn(cfg: ml_collections.ConfigDict) -> None:
         mt.max_tool_response_length >= 1,
         f"{field}.max_tool_response_length={mt.max_tool_response_length} must be >= 1.",
     )
+    _check(
+        not cfg.rollout.stop,
+        f"rollout.stop={tuple(cfg.rollout.stop)!r} with {field}.enable=True: a turn ends at EOS or "
+        "the format's call end; leave rollout.stop out.",
+    )
     _check(mt.tool_timeout > 0, f"{field}.tool_timeout={mt.tool_timeout} must be > 0 seconds.")
     budget = cfg.data.max_response_length
     _check(
