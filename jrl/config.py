@@ -83,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.tokenizer = "char"
 
     c.task = ml_collections.ConfigDict()
-    # jrl.data.TASKS: arithmetic | tool_arith (with a calculator) | gsm8k | math | custom (own files)
+    # jrl.data.TASKS: arithmetic | tool_arith (a calculator) | gsm8k | math | custom (own files)
     c.task.name = "arithmetic"
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")

@@ -96,7 +96,9 @@ class ToolArithTask(ArithmeticTask):
         mine = Problems(*(field[rows] for field in problems))
         batch = self.encode(mine)
         if stream == WARMUP_STREAM:
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, stream, step], spawn_key=(3,)))
+            rng = np.random.default_rng(
+                np.random.SeedSequence([self.seed, stream, step], spawn_key=(3,))
+            )
             tool = rng.random(batch_size) < self.tool_demos
             batch.update(self.demonstrations(mine, tool[rows]))
         return batch

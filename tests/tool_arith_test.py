@@ -1,0 +1,138 @@
+"""The tool_arith task (jrl/data/tool_arith.py): its warm-up demonstrations and their masks, the
+final-answer reward on completions with tool blocks, and the tool_math config."""
+
+import numpy as np
+import pytest
+
+from jrl import config as config_lib
+from jrl import data
+from jrl.data.arithmetic import ArithmeticTask, Problems
+from jrl.data.tool_arith import ToolArithTask
+from jrl.rewards import arithmetic_final_answer, final_answer_match
+from jrl.tokenizer import CHAR_VOCAB, EOS_ID, PAD_ID, char_tokenizer
+from jrl.tools import TOOLS, FORMATS
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+def ids(text):
+    """Character ids by hand from the vocabulary table (one token per character)."""
+    return [CHAR_VOCAB.index(ch) for ch in text]
+
+
+def test_demonstrations_by_hand(tok):
+    task = ToolArithTask(tok, num_digits=3, ops=("*",), eval_size=4)
+    # longest: "<999*999>" (9) + "=" ";" (2) + two 6-digit answers (12) + eos (1)
+    assert task.max_response_length == 24
+    problems = Problems(a=np.array([123, 7]), op=np.array(["*", "*"]), b=np.array([456, 8]))
+    out = task.demonstrations(problems, np.array([True, False]))
+    row0 = ids("<123*456>=56088;56088") + [EOS_ID]
+    assert out["sft_ids"][0].tolist() == row0 + [PAD_ID] * (24 - 22)
+    assert out["sft_mask"][0].tolist() == [1] * 22 + [0] * 2
+    # trained: the call (9) and the final answer + eos (6), not the tool's "=56088;" (7)
+    assert out["sft_loss_mask"][0].tolist() == [1] * 9 + [0] * 7 + [1] * 6 + [0] * 2
+    assert out["sft_ids"][1].tolist() == ids("56") + [EOS_ID] + [PAD_ID] * 21
+    assert out["sft_mask"][1].tolist() == out["sft_loss_mask"][1].tolist() == [1] * 3 + [0] * 21
+
+
+def test_demonstration_matches_the_real_tool_and_format(tok):
+    """The block the warm-up shows is the one the compact host appends for calc's answer, and the
+    call parses as that calc call."""
+    calc = TOOLS.get("calc")
+    fmt = FORMATS.get("compact")(tok, [calc])
+    (call,) = fmt.parse(ids("<123*456>"))
+    assert (call.name, call.arguments, call.error) == ("calc", {"expression": "123*456"}, None)
+    answer = calc.fn(**call.arguments)
+    assert fmt.render([answer]) == ids("=56088;")
+
+
+def test_warmup_batches_carry_demonstrations_and_rl_batches_do_not(tok):
+    kw = dict(num_digits=3, ops=("*",), eval_size=4, seed=5)
+    plain, half = ArithmeticTask(tok, max_response_length=24, **kw), ToolArithTask(tok, **kw)
+    rl = half.train_batch(3, 64)
+    assert "sft_ids" not in rl
+    for key, value in plain.train_batch(3, 64).items():  # the arithmetic task's problems
+        np.testing.assert_array_equal(rl[key], value)
+    warm = half.train_batch(3, 64, stream=1)
+    np.testing.assert_array_equal(
+        warm["answer_ids"], plain.train_batch(3, 64, stream=1)["answer_ids"]
+    )
+    calls = warm["sft_ids"][:, 0] == CHAR_VOCAB.index("<")
+    assert 0 < calls.sum() < 64  # a share, drawn per row
+    again = ToolArithTask(tok, **kw).train_batch(3, 64, stream=1)
+    np.testing.assert_array_equal(again["sft_ids"], warm["sft_ids"])  # a function of the step
+    none = ToolArithTask(tok, tool_demos=0.0, **kw).train_batch(3, 64, stream=1)
+    np.testing.assert_array_equal(none["sft_ids"], warm["answer_ids"])  # bare answers only
+    np.testing.assert_array_equal(none["sft_loss_mask"], warm["answer_mask"])
+    every = ToolArithTask(tok, tool_demos=1.0, **kw).train_batch(3, 64, stream=1)
+    assert (every["sft_ids"][:, 0] == CHAR_VOCAB.index("<")).all()
+
+
+def _row(parts, width=24):
+    """(ids, mask) of a response from (text, mask) parts, then eos-less padding."""
+    row, mask = [], []
+    for text, m in parts:
+        piece = [EOS_ID] if text == "<eos>" else ids(text)
+        row, mask = row + piece, mask + [m] * len(piece)
+    return row + [PAD_ID] * (width - len(row)), mask + [0] * (width - len(mask))
+
+
+@pytest.mark.parametrize(
+    "parts, score",
+    [
+        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1), ("<eos>", 1)], 1.0),
+        ([("<123*456>", 1), ("=56088;", 0), ("56089", 1), ("<eos>", 1)], 0.0),  # wrong final
+        ([("56088", 1), ("<eos>", 1)], 1.0),  # no tool: the bare answer
+        ([("56088", 1), ("<eos>", 1), ("7", 0)], 1.0),  # padding after eos is ignored
+        ([("<123*456>", 1), ("=56088;", 0), ("<eos>", 1)], 0.0),  # no final answer
+        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1)], 0.0),  # no eos (row cut)
+        ([("<123*456>=56088;56088", 1), ("<eos>", 1)], 0.0),  # the tool's answer made up
+        (
+            [
+                ("<1*2>", 1),
+                ("=2;", 0),
+                ("<123*456>", 1),
+                ("=56088;", 0),
+                ("56088", 1),
+                ("<eos>", 1),
+            ],
+            1.0,
+        ),
+        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1), ("<eos>", 1), ("=1;", 0)], 1.0),
+        ([("5608", 1), ("<eos>", 1)], 0.0),
+    ],
+)
+def test_final_answer_reward_on_hand_made_completions(parts, score):
+    row, mask = _row(parts)
+    batch = {"answer_ids": np.array([ids("56088") + [EOS_ID]]), "answer_len": np.array([5])}
+    got = arithmetic_final_answer(batch, np.array([row]), np.array([mask]), eos_id=EOS_ID)
+    assert got.tolist() == [score]
+
+
+def test_final_answer_reward_batched_and_at_the_row_end():
+    """Rows scored independently; an answer that ends exactly at the last slot counts."""
+    a, ma = _row([("<3*4>", 1), ("=12;", 0), ("12", 1), ("<eos>", 1)], width=12)
+    b, mb = _row([("12", 1), ("<eos>", 1)], width=12)
+    c, mc = _row([("<3*4>", 1), ("=12;", 0), ("1", 1), ("<eos>", 1)], width=12)
+    answers = np.array([ids("12") + [EOS_ID]] * 3)
+    got = final_answer_match(
+        np.array([a, b, c]), np.array([ma, mb, mc]), answers, np.array([2, 2, 2]), eos_id=EOS_ID
+    )
+    assert got.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_tool_math_config_and_its_no_tools_run():
+    c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
+    config_lib.validate(c)
+    assert data.task_options(c)["tool_demos"] == 0.5
+    c.rollout.multi_turn.enable = False  # without tools the warm-up shows bare answers
+    config_lib.validate(c)
+    assert data.task_options(c)["tool_demos"] == 0.0
+    c.task.tool_demos = 1.5
+    with pytest.raises(config_lib.ConfigError, match=r"task.tool_demos=1.5 must be a share"):
+        config_lib.validate(c)
