@@ -136,3 +136,38 @@ def test_tool_math_config_and_its_no_tools_run():
     c.task.tool_demos = 1.5
     with pytest.raises(config_lib.ConfigError, match=r"task.tool_demos=1.5 must be a share"):
         config_lib.validate(c)
+
+
+def test_warmup_trains_the_models_tokens_not_the_tools(tok):
+    """The warm-up loss on a demonstration is the mean negative log-likelihood of the call and the
+    final answer only, computed here from a plain forward over prompt + demonstration."""
+    import jax
+    from conftest import tiny_config, tiny_model
+
+    from jrl import sft
+    from jrl.models import transformer
+
+    task = ToolArithTask(tok, num_digits=3, ops=("*",), eval_size=4)
+    problems = Problems(a=np.array([123, 905]), op=np.array(["*", "*"]), b=np.array([456, 311]))
+    batch = {**task.encode(problems), **task.demonstrations(problems, np.array([True, False]))}
+    model_cfg = tiny_model(len(tok))
+    params = transformer.init_params(model_cfg, jax.random.key(0))
+    tx, step = sft.make_sft_step(tiny_config(), model_cfg)
+    _, _, loss = step(params, tx.init(params), batch)
+
+    # Reference: both prompts have 3-digit operands, so no padding; a plain causal forward.
+    seq = np.concatenate([batch["input_ids"], batch["sft_ids"]], axis=1)
+    hidden, head, _, _ = transformer.full_forward(model_cfg, params, seq, np.ones_like(seq))
+    logp = jax.nn.log_softmax(transformer.lm_logits(model_cfg, hidden, head), axis=-1)
+    p = batch["input_ids"].shape[1]
+    target_logp = np.take_along_axis(
+        np.asarray(logp[:, p - 1 : -1]), batch["sft_ids"][..., None], axis=-1
+    )[..., 0]
+    trained = np.zeros_like(batch["sft_ids"])
+    trained[0, :9] = trained[0, 16:22] = 1  # "<123*456>", then "56088<eos>" after "=56088;"
+    trained[1, :7] = 1  # "281455<eos>"
+    assert batch["sft_ids"][1, :6].tolist() == ids("281455")
+    expected = -np.sum(target_logp * trained) / trained.sum()
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    all_tokens = -np.sum(target_logp * batch["sft_mask"]) / batch["sft_mask"].sum()
+    assert abs(float(loss) - all_tokens) > 1e-3  # the tool's tokens would change it
