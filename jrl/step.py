@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jrl import logprobs, microbatch, rollout
+from jrl import logprobs, microbatch, multi_turn, rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
@@ -40,6 +40,7 @@ from jrl.algos import rollout_corr
 from jrl.models import transformer
 from jrl.models import lora as lora_lib
 from jrl.models.lora import init_lora, lora_on, policy_params, reference_params, with_base
+from jrl.tools.metrics import multi_turn_metrics
 
 Batch = dict[str, jax.Array]
 
@@ -176,9 +177,13 @@ def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainSta
 
 
 def last_token_scores(scores_B, response_mask_BR):
-    """token_level_scores [B, R]: the sequence score placed on the last valid response token."""
-    last = jnp.sum(response_mask_BR, -1) - 1
-    return jax.nn.one_hot(last, response_mask_BR.shape[1], dtype=jnp.float32) * scores_B[:, None]
+    """token_level_scores [B, R]: the sequence score placed on the last response token whose mask
+    is 1 (the last model token of a multi-turn row, whose mask has holes at tool tokens; the
+    last valid token of a one-turn row). A row without one gets none."""
+    r = response_mask_BR.shape[1]
+    last = r - 1 - jnp.argmax(response_mask_BR[:, ::-1] > 0, axis=-1)
+    last = jnp.where(jnp.any(response_mask_BR > 0, -1), last, -1)  # one_hot(-1): all zeros
+    return jax.nn.one_hot(last, r, dtype=jnp.float32) * scores_B[:, None]
 
 
 def overlong_penalty(length_B, max_new_tokens: int, buffer_len: int, penalty_factor: float):
@@ -244,7 +249,7 @@ class StepSpec:
     cfg: ml_collections.ConfigDict
     model_cfg: transformer.ModelConfig  # the policy's (see `model_configs`)
     critic_cfg: transformer.ModelConfig | None  # a separate critic's; None: none or shared
-    reward_fn: Callable  # (batch, response_ids, response_mask, eos_id=) -> scores [B]
+    reward_fn: Callable  # (batch, response_ids, response_valid, eos_id=) -> scores [B]
     eos_id: int
     pad_id: int
     max_new_tokens: int
@@ -257,6 +262,9 @@ class StepSpec:
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
     tx: optax.GradientTransformation  # the policy's optimizer (`policy_optimizer`)
     critic_tx: optax.GradientTransformation  # the separate critic's
+    # the multi-turn rollout's host (`jrl.tools.host.make_tool_host`; rollout.multi_turn.enable),
+    # bound into the compiled program: one host, one compile. None: one-turn rollouts.
+    tool_host: Any = None
 
     @property
     def n(self) -> int:
@@ -289,10 +297,12 @@ def make_spec(
     pad_id: int,
     max_new_tokens: int,
     mesh=None,
+    tool_host=None,
 ) -> StepSpec:
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
-    sizes divide."""
+    sizes divide; `tool_host`: the multi-turn host (`jrl.run.trainer.sampling_ids` builds it
+    when rollout.multi_turn.enable), None for one-turn rollouts."""
     micro = microbatch.micro_batch_counts(cfg, mesh)
     return StepSpec(
         cfg=cfg,
@@ -309,6 +319,7 @@ def make_spec(
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
         tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
+        tool_host=tool_host,
     )
 
 
@@ -318,17 +329,37 @@ def make_spec(
 # until B_p groups with signal are found.
 
 
+def sample_responses(
+    model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, tool_host=None, **sampling
+):
+    """(rollout, response_valid [B, R]): `rollout.generate`'s answers (valid = their mask), or
+    with a `tool_host` the multi-turn rollout's (`multi_turn.generate`: model and tool tokens,
+    `response_mask` 1 on model tokens only, valid 1 on both up to the row's end). `sampling`:
+    the keyword arguments both take (max_new_tokens, eos_id, pad_id, temperature, ...)."""
+    if tool_host is None:
+        out = rollout.generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, **sampling)
+        return out, out.response_mask
+    out = multi_turn.generate(
+        model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, host=tool_host, **sampling
+    )
+    return out, out.valid
+
+
 def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False) -> Batch:
     """n samples of each prompt (one greedy answer with `greedy`), scored: `acc` is the task's
-    reward, `scores` that after shaping (DAPO's overlong penalty)."""
+    reward, `scores` that after shaping (DAPO's overlong penalty) plus, in a multi-turn rollout,
+    the tools' rewards. The reward reads the whole response, tool tokens included
+    (`response_valid`); a multi-turn rollout also keeps `response_valid`, `rollout_log_prob`,
+    `tool_reward`, `num_turns`, `assistant_turns` and `tool_stats`."""
     cfg, n = spec.cfg, 1 if greedy else spec.n
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
-    out = rollout.generate(
+    out, valid = sample_responses(
         spec.model_cfg,
         params,
         prompts["input_ids"],
         prompts["attention_mask"],
         key,
+        tool_host=spec.tool_host,
         samples=n,
         max_new_tokens=spec.max_new_tokens,
         eos_id=spec.eos_id,
@@ -339,13 +370,24 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         greedy=greedy,
     )
     exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
-    if cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs (IS / bypass)
+    multi = spec.tool_host is not None
+    if multi:
+        exp.update(
+            response_valid=valid,  # model and tool tokens: what the forwards attend over
+            tool_reward=out.tool_reward,
+            num_turns=out.num_turns,
+            assistant_turns=out.assistant_turns,
+            tool_stats=out.stats,
+        )
+    if multi or cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs
         exp["rollout_log_prob"] = out.log_probs
-    acc = spec.reward_fn(exp, out.response_ids, out.response_mask, eos_id=spec.eos_id)
+    acc = spec.reward_fn(exp, out.response_ids, valid, eos_id=spec.eos_id)
     scores, overlong = acc, cfg.reward.overlong_buffer
+    if multi:
+        scores = scores + out.tool_reward
     if overlong.enable:
-        length = jnp.sum(out.response_mask, -1)
-        scores = acc + overlong_penalty(
+        length = jnp.sum(valid, -1)
+        scores = scores + overlong_penalty(
             length, spec.max_new_tokens, overlong.len, overlong.penalty_factor
         )
     if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward,
@@ -414,7 +456,7 @@ def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs
         rows["input_ids"],
         rows["attention_mask"],
         rows["response_ids"],
-        rows["response_mask"],
+        rows.get("response_valid", rows["response_mask"]),  # tool tokens are attended
         spec.cfg.rollout.temperature,
         entropy_grad=spec.cfg.actor.entropy_coeff != 0,
         group=spec.group[name],
@@ -450,7 +492,8 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     cfg, algo = spec.cfg, spec.cfg.algorithm
     mask = exp["response_mask"]
     b = mask.shape[0]
-    rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
+    names = ("input_ids", "attention_mask", "response_ids", "response_mask", "response_valid")
+    rows = {k: exp[k] for k in names if k in exp}
     score = lambda r: score_forwards(spec, state, r)
     micro, group = spec.micro["log_prob"], spec.group["log_prob"]
     scored = microbatch.in_micro_batches(score, rows, micro, group)
@@ -656,7 +699,7 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     actor, cfg = spec.cfg.actor, spec.cfg
     keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
     keys += [] if spec.on_policy else ["old_log_prob"]
-    keys += [k for k in ("policy_mask", "rollout_is_weights") if k in exp]
+    keys += [k for k in ("response_valid", "policy_mask", "rollout_is_weights") if k in exp]
     keys += ["ref_log_prob"] if needs_reference(cfg) else []
     keys += ["values", "returns", "critic_mask"] if spec.use_critic else []
     data = {k: exp[k] for k in keys}
@@ -744,9 +787,11 @@ def make_step(*args, **kwargs):
 
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     """verl's data metrics of a scored batch: scores, rewards, advantages, returns, values,
-    lengths."""
+    lengths; and a multi-turn batch's turns and tool calls (`multi_turn_metrics`). Lengths count
+    every response token, tool tokens included (verl's, from the attention mask); the rest is
+    over model tokens."""
     mask = exp["response_mask"]
-    length = jnp.sum(mask, -1)
+    length = jnp.sum(exp.get("response_valid", mask), -1)
     prompt_length = jnp.sum(exp["attention_mask"], -1)
     metrics = {}
     metrics.update(_stats("critic/score", exp["scores"]))
@@ -762,4 +807,6 @@ def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
     metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)
     metrics["perf/total_num_tokens"] = jnp.sum(length) + jnp.sum(prompt_length)
+    if "tool_stats" in exp:
+        metrics.update(multi_turn_metrics(exp["tool_stats"], exp["assistant_turns"], length))
     return metrics

@@ -160,7 +160,7 @@ def memory_report(cfg) -> dict:
     key = jax.random.key(0)
     init = lambda: step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
     step_fn, abstract, state_sh, batch_sh = trainer.jit_step(
-        cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task), mesh, init
+        cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task, cfg), mesh, init
     )
     batch = task.train_batch(0, step_lib.prompts_per_step(cfg))  # host arrays: only shapes used
     abstract_in = lambda tree, sh: jax.tree.map(

@@ -13,7 +13,7 @@ from etils import epath
 from tensorboardX import SummaryWriter
 
 from jrl import config as config_lib
-from jrl import rollout
+from jrl import step as step_lib
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import trainer
 from jrl.run import samples as samples_lib
@@ -47,19 +47,22 @@ def make_sampled_scores(
     top_k: int = 0,
     top_p: float = 1.0,
     greedy: bool = False,
+    tool_host=None,
 ):
     """`scores(params, batch, key, temperature) -> [N, k]`: the reward of k answers sampled for
     each of the N prompts (row i * k + j of the rollout is sample j of prompt i). The temperature
-    is an argument, so one compile serves every temperature; `greedy` decodes by argmax."""
+    is an argument, so one compile serves every temperature; `greedy` decodes by argmax; with a
+    `tool_host` the answers are multi-turn, with the tools (the reward reads tool tokens too)."""
 
     def scores(params, batch, key, temperature):
         rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, k, axis=0), batch)
-        out = rollout.generate(
+        out, valid = step_lib.sample_responses(
             model_cfg,
             params,
             batch["input_ids"],
             batch["attention_mask"],
             key,
+            tool_host=tool_host,
             samples=k,
             max_new_tokens=max_new_tokens,
             eos_id=eos_id,
@@ -69,7 +72,7 @@ def make_sampled_scores(
             top_p=top_p,
             greedy=greedy,
         )
-        s = reward_fn(rows, out.response_ids, out.response_mask, eos_id=eos_id)
+        s = reward_fn(rows, out.response_ids, valid, eos_id=eos_id)
         return s.reshape(-1, k)
 
     return scores
@@ -105,7 +108,7 @@ class Evaluator:
         self.tokenizer, self.task, self.reward_fn, self.model_cfg = trainer.build(cfg)
         self.params, self.step = checkpoint_lib.restore_params(workdir, cfg, self.model_cfg, step)
         self.batch = self.task.eval_batch()
-        self._ids = trainer.sampling_ids(self.tokenizer, self.task)
+        self._ids = trainer.sampling_ids(self.tokenizer, self.task, cfg)
         self._greedy = None
         self._sampled = {}
         self.num_samples = num_samples  # greedy answers kept for `sample_rows`

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import config as config_lib
-from jrl import data, microbatch, models, rewards, rollout, sharding, sft, step as step_lib
+from jrl import data, microbatch, models, rewards, sharding, sft, step as step_lib
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
@@ -37,6 +37,7 @@ from jrl.run import metric_writers as metric_files
 from jrl.run import samples as samples_lib
 from jrl.run import workdir as workdir_lib
 from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
+from jrl.tools import host as tool_host
 
 
 def init_distributed(
@@ -109,13 +110,21 @@ def policy_model(cfg) -> tuple:
     return tok, model_cfg
 
 
-def sampling_ids(tok, task) -> dict:
-    """The token ids and response length that make_step / make_phases / make_eval take."""
-    return {
+def sampling_ids(tok, task, cfg=None) -> dict:
+    """The token ids and response length that make_step / make_phases / make_eval take; with
+    `cfg` and rollout.multi_turn.enable also the multi-turn rollout's `tool_host`, built here
+    once from the config and the tokenizer (`jrl.tools.host.make_tool_host`; ConfigError when a
+    tool does not load, the format does not suit the tokenizer or a block does not fit)."""
+    ids = {
         "eos_id": tok.eos_token_id,
         "pad_id": tok.pad_token_id,
         "max_new_tokens": task.max_response_length,
     }
+    if cfg is not None and cfg.rollout.multi_turn.enable:
+        ids["tool_host"] = tool_host.make_tool_host(
+            cfg, tok, max_response_length=task.max_response_length
+        )
+    return ids
 
 
 def prompt_counts(task) -> dict:
@@ -342,7 +351,7 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
-    ids = sampling_ids(tok, task)
+    ids = sampling_ids(tok, task, cfg)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
     inputs = workdir_lib.fingerprints(cfg)
@@ -458,32 +467,36 @@ def make_eval(
     pad_id: int,
     max_new_tokens: int,
     num_samples: int = 0,
+    tool_host=None,
 ):
-    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
-    with `num_samples` > 0 also the first `num_samples` rows' answers to look at:
-    "samples/response_ids" and "samples/response_mask" [num_samples, R], "samples/score"
-    [num_samples] (jrl.samples splits them off the metrics)."""
+    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding
+    (multi-turn, with the tools, given a `tool_host`: the reward reads the whole response and the
+    length counts tool tokens); with `num_samples` > 0 also the first `num_samples` rows' answers
+    to look at: "samples/response_ids" and "samples/response_mask" [num_samples, R] (the mask
+    covering tool tokens too), "samples/score" [num_samples] (jrl.samples splits them off the
+    metrics)."""
 
     def evaluate(params, batch: dict):
-        out = rollout.generate(
+        out, valid = step_lib.sample_responses(
             model_cfg,
             params,
             batch["input_ids"],
             batch["attention_mask"],
             jax.random.key(0),
+            tool_host=tool_host,
             max_new_tokens=max_new_tokens,
             eos_id=eos_id,
             pad_id=pad_id,
             greedy=True,
         )
-        scores = reward_fn(batch, out.response_ids, out.response_mask, eos_id=eos_id)
+        scores = reward_fn(batch, out.response_ids, valid, eos_id=eos_id)
         metrics = {
             "val/accuracy": jnp.mean(scores),
-            "val/response_length": jnp.mean(jnp.sum(out.response_mask, -1).astype(jnp.float32)),
+            "val/response_length": jnp.mean(jnp.sum(valid, -1).astype(jnp.float32)),
         }
         if num_samples:
             metrics["samples/response_ids"] = out.response_ids[:num_samples]
-            metrics["samples/response_mask"] = out.response_mask[:num_samples]
+            metrics["samples/response_mask"] = valid[:num_samples]
             metrics["samples/score"] = scores[:num_samples]
         return metrics
 

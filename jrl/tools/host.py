@@ -17,12 +17,13 @@ callback has static result shapes (`host.result_shapes(B)`).
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
 
 from jrl.config import ConfigError
+from jrl.multi_turn import TurnResult
 from jrl.tools import base, formats, runner
 
 # Columns of TurnResult.stats: per-row counts of one turn (summed over turns by the step).
@@ -44,16 +45,6 @@ _COL = {name: i for i, name in enumerate(STAT_NAMES)}
 _EDGE_SLACK = 2
 
 
-class TurnResult(NamedTuple):
-    """The host's answer for one pause of the rollout (numpy arrays, B rows)."""
-
-    block_ids: np.ndarray  # [B, K] int32: tokens to append to the row (pad_id after block_len)
-    block_len: np.ndarray  # [B] int32: 0 = nothing to append
-    finished: np.ndarray  # [B] bool: the row's episode ends now
-    reward: np.ndarray  # [B] float32: reward returned by tools this turn (0 if none)
-    stats: np.ndarray  # [B, S] float32: per-row counts this turn, columns STAT_NAMES
-
-
 def error_text(reason: str) -> str:
     """The answer the model gets for a call that failed: one line."""
     return "error: " + " ".join(str(reason).split())
@@ -65,6 +56,7 @@ class ToolHost:
     Attributes:
       block_size: K, the width of `TurnResult.block_ids`.
       stop_ids: token ids at which decoding pauses a row and calls the host.
+      stat_names: the columns of `TurnResult.stats` (`STAT_NAMES`).
       pad_id: the id after each block's end.
       schemas: the tools' function schemas (for prompts that list them, e.g. a chat template's
         `tools=`).
@@ -89,6 +81,7 @@ class ToolHost:
         self.schemas = [t.schema for t in tools]
         self.pad_id = int(pad_id)
         self.stop_ids = tuple(int(i) for i in fmt.stop_ids)
+        self.stat_names = STAT_NAMES  # the columns of TurnResult.stats
         self.max_response_length = max_response_length
         self.max_assistant_turns = max_assistant_turns
         self.max_parallel_calls = min(max_parallel_calls, fmt.max_calls or max_parallel_calls)
