@@ -73,57 +73,60 @@ def test_warmup_batches_carry_demonstrations_and_rl_batches_do_not(tok):
     assert (every["sft_ids"][:, 0] == CHAR_VOCAB.index("<")).all()
 
 
+END = CHAR_VOCAB.index(";")
+
+
 def _row(parts, width=24):
-    """(ids, mask) of a response from (text, mask) parts, then eos-less padding."""
-    row, mask = [], []
-    for text, m in parts:
-        piece = [EOS_ID] if text == "<eos>" else ids(text)
-        row, mask = row + piece, mask + [m] * len(piece)
-    return row + [PAD_ID] * (width - len(row)), mask + [0] * (width - len(mask))
+    """(ids, valid) of a response: the text up to "|", then padding (valid 0); "$" is eos."""
+    text, _, pad = parts.partition("|")
+    row = [EOS_ID if ch == "$" else CHAR_VOCAB.index(ch) for ch in text + pad]
+    valid = [1] * len(text) + [0] * len(pad)
+    return row + [PAD_ID] * (width - len(row)), valid + [0] * (width - len(valid))
 
 
 @pytest.mark.parametrize(
-    "parts, score",
+    "text, score",
     [
-        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1), ("<eos>", 1)], 1.0),
-        ([("<123*456>", 1), ("=56088;", 0), ("56089", 1), ("<eos>", 1)], 0.0),  # wrong final
-        ([("56088", 1), ("<eos>", 1)], 1.0),  # no tool: the bare answer
-        ([("56088", 1), ("<eos>", 1), ("7", 0)], 1.0),  # padding after eos is ignored
-        ([("<123*456>", 1), ("=56088;", 0), ("<eos>", 1)], 0.0),  # no final answer
-        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1)], 0.0),  # no eos (row cut)
-        ([("<123*456>=56088;56088", 1), ("<eos>", 1)], 0.0),  # the tool's answer made up
-        (
-            [
-                ("<1*2>", 1),
-                ("=2;", 0),
-                ("<123*456>", 1),
-                ("=56088;", 0),
-                ("56088", 1),
-                ("<eos>", 1),
-            ],
-            1.0,
-        ),
-        ([("<123*456>", 1), ("=56088;", 0), ("56088", 1), ("<eos>", 1), ("=1;", 0)], 1.0),
-        ([("5608", 1), ("<eos>", 1)], 0.0),
+        ("<123*456>=56088;56088$", 1.0),
+        ("<123*456>=56088;56089$", 0.0),  # a wrong final answer
+        ("56088$", 1.0),  # no tool: the bare answer
+        ("56088$|7", 1.0),  # padding after the end is ignored
+        ("56088$7", 1.0),  # as is anything after the first eos
+        ("<123*456>=56088;$", 0.0),  # no final answer
+        ("<123*456>=56088;56088", 0.0),  # no eos (the row was cut)
+        ("<123*456>=56088;5608$", 0.0),
+        ("<123*456>=56088;056088$", 0.0),
+        ("<1*2>=2;<123*456>=56088;56088$", 1.0),  # the answer after the last block
+        ("<123*456>=56088;56088;$", 0.0),
+        ("<123*456>=56088;56088$;", 1.0),  # a ";" after the eos is not read
+        ("<123*456>=1;56088$", 1.0),  # the final answer counts, not the block's
+        ("5608856088$", 0.0),
     ],
 )
-def test_final_answer_reward_on_hand_made_completions(parts, score):
-    row, mask = _row(parts)
-    batch = {"answer_ids": np.array([ids("56088") + [EOS_ID]]), "answer_len": np.array([5])}
-    got = arithmetic_final_answer(batch, np.array([row]), np.array([mask]), eos_id=EOS_ID)
+def test_final_answer_reward_on_hand_made_completions(text, score):
+    row, valid = _row(text)
+    batch = {
+        "answer_ids": np.array([ids("56088") + [EOS_ID]]),
+        "answer_len": np.array([5]),
+        "tool_end_id": np.array([END]),
+    }
+    got = arithmetic_final_answer(batch, np.array([row]), np.array([valid]), eos_id=EOS_ID)
     assert got.tolist() == [score]
 
 
 def test_final_answer_reward_batched_and_at_the_row_end():
-    """Rows scored independently; an answer that ends exactly at the last slot counts."""
-    a, ma = _row([("<3*4>", 1), ("=12;", 0), ("12", 1), ("<eos>", 1)], width=12)
-    b, mb = _row([("12", 1), ("<eos>", 1)], width=12)
-    c, mc = _row([("<3*4>", 1), ("=12;", 0), ("1", 1), ("<eos>", 1)], width=12)
-    answers = np.array([ids("12") + [EOS_ID]] * 3)
-    got = final_answer_match(
-        np.array([a, b, c]), np.array([ma, mb, mc]), answers, np.array([2, 2, 2]), eos_id=EOS_ID
-    )
-    assert got.tolist() == [1.0, 1.0, 0.0]
+    """Rows scored independently; an answer whose eos fills the last slot counts."""
+    rows = [_row(t, width=12) for t in ("<3*4>=12;12$", "12$", "<3*4>=12;1$", "<3*4>=12;12")]
+    ids_, valid = (np.array(x) for x in zip(*rows))
+    answers = np.array([ids("12") + [EOS_ID]] * 4)
+    got = final_answer_match(ids_, valid, answers, np.full(4, 2), np.full(4, END), eos_id=EOS_ID)
+    assert got.tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_task_batches_name_the_block_end_for_the_reward(tok):
+    task = ToolArithTask(tok, num_digits=3, ops=("*",), eval_size=4)
+    assert task.eval_batch()["tool_end_id"].tolist() == [END] * 4
+    assert task.train_batch(0, 3)["tool_end_id"].tolist() == [END] * 3
 
 
 def test_tool_math_config_and_its_no_tools_run():

@@ -8,7 +8,7 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`; a
 from its config's `task` section (`reward_options`).
   - JAX rewards (`REWARDS`) run in-graph on token ids and need no task:
       "arithmetic_exact_match"  exact answer + eos for the arithmetic task.
-      "arithmetic_final_answer" the same for the answer after the last tool token (tool_arith).
+      "arithmetic_final_answer" the same for the answer after the last tool block (tool_arith).
   - Python rewards (`HOST_REWARDS`) decode the responses and score the text on the host through
     `jax.pure_callback` (jrl/rewards/python.py); they need the task (for the ground truths) and
     its tokenizer (default `task.tokenizer`):
