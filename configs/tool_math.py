@@ -4,8 +4,9 @@ format (docs/multi_turn.md): the model writes `<123*456>`, decoding pauses at `>
 appends `=56088;` (response_mask 0), and the model writes its final answer `56088<eos>`.
 
 The supervised warm-up shows a tool call on a `task.tool_demos` share of its problems and the
-bare answer on the others; RL then learns when the call pays. Without tools
-(`--config.rollout.multi_turn.enable=False`) the same run warms up on bare answers only.
+bare answer on the others; RL then finds that the call pays (README "Tools (multi-turn)").
+Without tools (`--config.rollout.multi_turn.enable=False`) the same run warms up on bare answers
+only.
 
 Run:
   python -m jrl.train --config=configs/tool_math.py --workdir=/tmp/jrl/tool_math
@@ -29,7 +30,9 @@ def get_config(arg: str | None = None):
     c.task.name = "tool_arith"  # arithmetic with tool-call demonstrations in the warm-up
     c.task.num_digits = 3  # 3-digit operands ...
     c.task.ops = "*"  # ... multiplied: up to 6-digit answers
-    c.task.tool_demos = 0.5  # half the warm-up answers are a call, the tool's answer, the answer
+    # A tenth of the warm-up answers are a call, the tool's answer and the answer: the greedy
+    # model still answers bare (and wrong), a sampled one calls about one time in ten
+    c.task.tool_demos = 0.1
     c.task.reward = "arithmetic_final_answer"  # the answer after the last tool block, exactly
 
     c.rollout.multi_turn.enable = True  # tool calls in the rollout

@@ -132,7 +132,7 @@ def test_task_batches_name_the_block_end_for_the_reward(tok):
 def test_tool_math_config_and_its_no_tools_run():
     c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
     config_lib.validate(c)
-    assert data.task_options(c)["tool_demos"] == 0.5
+    assert data.task_options(c)["tool_demos"] == 0.1
     c.rollout.multi_turn.enable = False  # without tools the warm-up shows bare answers
     config_lib.validate(c)
     assert data.task_options(c)["tool_demos"] == 0.0
