@@ -84,10 +84,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.tokenizer = "char"
 
     c.task = ml_collections.ConfigDict()
-    c.task.name = "arithmetic"  # jrl.data.TASKS: arithmetic | gsm8k | math | custom (own files)
+    # jrl.data.TASKS: arithmetic | tool_arith (a calculator) | gsm8k | math | custom (own files)
+    c.task.name = "arithmetic"
     c.task.num_digits = 2  # operand digits: operands are uniform in [0, 10**num_digits)
     c.task.ops = "+"  # operations to draw from, any of "+-*" (e.g. "+-")
     c.task.few_shot = ""  # few_shot_arithmetic: worked examples before each problem; "": 3 built in
+    # tool_arith: share of warm-up answers shown as a tool call (<37*48>=1776;1776); only with
+    # rollout.multi_turn.enable (without tools the warm-up shows answers only)
+    c.task.tool_demos = 0.5
     c.task.eval_size = 256  # held-out problems in the eval split
     # jrl.rewards.names(), or a function of yours: "path/to/file.py:function" (the file) or
     # "package.module:function" (imported from the current directory or PYTHONPATH)
@@ -352,11 +356,16 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"algorithm.{e}") from None
 
     _choice("task.name", cfg.task.name, data.TASKS)
+    builtin = cfg.task.name in data.ARITHMETIC_TASKS  # no files; answers for the warm-up
+    _check(
+        0.0 <= cfg.task.tool_demos <= 1.0,
+        f"task.tool_demos={cfg.task.tool_demos} must be a share in [0, 1], e.g. 0.5.",
+    )
     if ":" not in cfg.task.reward:
         _choice("task.reward", cfg.task.reward, rewards.names())
     _check(
-        cfg.task.reward not in rewards.REWARDS or cfg.task.name == "arithmetic",
-        f"task.reward='{cfg.task.reward}' scores the built-in arithmetic task only; for "
+        cfg.task.reward not in rewards.REWARDS or builtin,
+        f"task.reward='{cfg.task.reward}' scores the built-in arithmetic tasks only; for "
         f"task.name='{cfg.task.name}' set --config.task.reward to your function "
         f"(path/to/reward.py:function or package.module:function) or one of "
         f"{', '.join(sorted(rewards.HOST_REWARDS))}.",
@@ -364,11 +373,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("task.overlong_prompts", cfg.task.overlong_prompts, math_data.OVERLONG_POLICIES)
     _choice("task.prompt_format", cfg.task.prompt_format, math_data.PROMPT_FORMATS)
     _check(
-        cfg.task.name in ("arithmetic", "few_shot_arithmetic") or cfg.task.train_files,
+        builtin or cfg.task.train_files,
         f"task.name='{cfg.task.name}' reads local files: set --config.task.train_files=PATH.",
     )
     _check(
-        cfg.task.name == "arithmetic" or cfg.warmup.sft_steps == 0,
+        builtin or cfg.warmup.sft_steps == 0,
         f"warmup.sft_steps={cfg.warmup.sft_steps}: the supervised warm-up needs reference answers "
         f"of the built-in arithmetic task; set --config.warmup.sft_steps=0 for "
         f"task.name='{cfg.task.name}'.",

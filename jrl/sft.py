@@ -15,16 +15,23 @@ from jrl.models import transformer
 
 def make_sft_step(cfg: ml_collections.ConfigDict, model_cfg: transformer.ModelConfig):
     """Supervised warm-up: `(params, opt_state, batch) -> (params, opt_state, loss)` on the task's
-    reference answers (`answer_ids`, answer plus EOS), mean negative log-likelihood per token."""
+    reference answers (`answer_ids`, answer plus EOS), mean negative log-likelihood per token.
+    A batch with its own warm-up targets (`sft_ids`, `sft_mask` the tokens the forward reads,
+    `sft_loss_mask` those trained: jrl/data/tool_arith.py, whose tool answers are read, not
+    trained) is trained on those instead."""
     tx = optax.adam(cfg.warmup.sft_lr)
 
     def loss_fn(params, batch):
-        target = batch["answer_ids"]
-        mask = (jnp.arange(target.shape[1])[None] <= batch["answer_len"][:, None]).astype(jnp.int32)
+        if "sft_ids" in batch:
+            target, mask, trained = batch["sft_ids"], batch["sft_mask"], batch["sft_loss_mask"]
+        else:
+            target = batch["answer_ids"]
+            t = jnp.arange(target.shape[1])[None]
+            mask = trained = (t <= batch["answer_len"][:, None]).astype(jnp.int32)
         out = logprobs.response_outputs(
             model_cfg, params, batch["input_ids"], batch["attention_mask"], target, mask
         )
-        return -jnp.sum(out["log_prob"] * mask) / jnp.sum(mask)
+        return -jnp.sum(out["log_prob"] * trained) / jnp.sum(trained)
 
     def sft_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)

@@ -155,7 +155,7 @@ def test_custom_data_preset_asks_for_a_reward():
     with pytest.raises(config_lib.ConfigError) as e:  # the demo's in-graph reward cannot score it
         config_lib.validate(cfg)
     assert str(e.value) == (
-        "task.reward='arithmetic_exact_match' scores the built-in arithmetic task only; for "
+        "task.reward='arithmetic_exact_match' scores the built-in arithmetic tasks only; for "
         "task.name='custom' set --config.task.reward to your function (path/to/reward.py:function "
         "or package.module:function) or one of format, gsm8k, math."
     )

@@ -12,6 +12,10 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
   "few_shot_arithmetic"  the same problems after worked examples, `12+7=19\n...\n37+48=`, for a
                 pretrained model (FewShotArithmeticTask); kwargs: those of "arithmetic" and prefix.
                 Batches carry `row_id` / `split` for the host reward "first_line".
+  "tool_arith"  arithmetic with a calculator (jrl/data/tool_arith.py): the arithmetic task whose
+                warm-up batches show, on a `tool_demos` share of rows, a tool call in the compact
+                format (`<37*48>=1776;1776`, the tool's `=1776;` not trained); kwargs: those of
+                "arithmetic" and tool_demos. Reward "arithmetic_final_answer".
   "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
@@ -30,6 +34,7 @@ from typing import NamedTuple
 
 from jrl.data.arithmetic import ArithmeticTask, FewShotArithmeticTask
 from jrl.data.math_data import MathTask, custom_task, gsm8k_task, math_task
+from jrl.data.tool_arith import ToolArithTask
 from jrl.registry import Registry
 
 
@@ -37,21 +42,29 @@ class Entry(NamedTuple):
     """A task's registry entry: how to build it and its options from a run's `task` section."""
 
     build: Callable  # (tokenizer, **options) -> task
-    options: Callable  # the config's `task` section -> the task's own keyword options
+    options: Callable  # a run's config -> the task's own keyword options
 
 
-def _arithmetic_options(t) -> dict:
-    return dict(num_digits=t.num_digits, ops=tuple(t.ops))
+def _arithmetic_options(cfg) -> dict:
+    return dict(num_digits=cfg.task.num_digits, ops=tuple(cfg.task.ops))
 
 
-def _few_shot_options(t) -> dict:
+def _few_shot_options(cfg) -> dict:
     """few_shot_arithmetic: the arithmetic options and the worked examples ("": the built-in)."""
-    return dict(_arithmetic_options(t), **({"prefix": t.few_shot} if t.few_shot else {}))
+    few_shot = cfg.task.few_shot
+    return dict(_arithmetic_options(cfg), **({"prefix": few_shot} if few_shot else {}))
 
 
-def _file_options(t) -> dict:
+def _tool_arith_options(cfg) -> dict:
+    """Demonstrations only where the model has tools: a run without them warms up on answers."""
+    demos = cfg.task.tool_demos if cfg.rollout.multi_turn.enable else 0.0
+    return dict(**_arithmetic_options(cfg), tool_demos=demos)
+
+
+def _file_options(cfg) -> dict:
     """gsm8k / math / custom: the files and the prompt's form; empty fields keep the task's
     defaults."""
+    t = cfg.task
     given = dict(question_field=t.question_field, answer_field=t.answer_field, template=t.template)
     return dict(
         train_files=t.train_files,
@@ -63,11 +76,16 @@ def _file_options(t) -> dict:
     )
 
 
+# The built-in tasks: synthetic problems (no files), scored by the JAX rewards, with the reference
+# answers the supervised warm-up trains on.
+ARITHMETIC_TASKS = ("arithmetic", "few_shot_arithmetic", "tool_arith")
+
 TASKS = Registry(
     "task",
     {
         "arithmetic": Entry(ArithmeticTask, _arithmetic_options),
         "few_shot_arithmetic": Entry(FewShotArithmeticTask, _few_shot_options),
+        "tool_arith": Entry(ToolArithTask, _tool_arith_options),
         "gsm8k": Entry(gsm8k_task, _file_options),
         "math": Entry(math_task, _file_options),
         "custom": Entry(custom_task, _file_options),
@@ -90,15 +108,17 @@ def task_options(cfg) -> dict:
         eval_size=t.eval_size,
         max_prompt_length=cfg.data.max_prompt_length or None,
         max_response_length=cfg.data.max_response_length or None,
-        **TASKS.get(t.name).options(t),
+        **TASKS.get(t.name).options(cfg),
     )
 
 
 __all__ = [
+    "ARITHMETIC_TASKS",
     "TASKS",
     "ArithmeticTask",
     "FewShotArithmeticTask",
     "MathTask",
+    "ToolArithTask",
     "custom_task",
     "gsm8k_task",
     "make_task",

@@ -8,6 +8,7 @@ Two kinds, one call: `get_reward(name, task=None, tokenizer=None, **options)`; a
 from its config's `task` section (`reward_options`).
   - JAX rewards (`REWARDS`) run in-graph on token ids and need no task:
       "arithmetic_exact_match"  exact answer + eos for the arithmetic task.
+      "arithmetic_final_answer" the same for the answer after the last tool block (tool_arith).
   - Python rewards (`HOST_REWARDS`) decode the responses and score the text on the host through
     `jax.pure_callback` (jrl/rewards/python.py); they need the task (for the ground truths) and
     its tokenizer (default `task.tokenizer`):
@@ -31,11 +32,23 @@ from typing import NamedTuple
 
 from jrl.registry import Registry, UnknownName
 from jrl.rewards import math as math_rewards
-from jrl.rewards.arithmetic import arithmetic_exact_match, exact_match, first_line
+from jrl.rewards.arithmetic import (
+    arithmetic_exact_match,
+    arithmetic_final_answer,
+    exact_match,
+    final_answer_match,
+    first_line,
+)
 from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
 
 # name -> JAX reward fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]
-REWARDS = Registry("reward", {"arithmetic_exact_match": arithmetic_exact_match})
+REWARDS = Registry(
+    "reward",
+    {
+        "arithmetic_exact_match": arithmetic_exact_match,
+        "arithmetic_final_answer": arithmetic_final_answer,
+    },
+)
 
 
 def _format_score(task, **options):
@@ -135,7 +148,9 @@ __all__ = [
     "REWARDS",
     "RewardError",
     "arithmetic_exact_match",
+    "arithmetic_final_answer",
     "exact_match",
+    "final_answer_match",
     "get_reward",
     "make_python_reward",
     "names",
