@@ -753,7 +753,11 @@ def _check_switched_off(cfg: ml_collections.ConfigDict) -> None:
     default."""
     base = base_config()
     for feature, state, fix, fields in _off_sections(cfg):
-        changed = [f for f in fields if _field(cfg, f) != _field(base, f)]
+        # a list read back from config.json is the tuple it was written from
+        same = lambda a, b: (list(a) if isinstance(a, tuple) else a) == (
+            list(b) if isinstance(b, tuple) else b
+        )
+        changed = [f for f in fields if not same(_field(cfg, f), _field(base, f))]
         if changed:
             settings = ", ".join(f"{f}={_field(cfg, f)!r}" for f in changed)
             defaults = ", ".join(repr(_field(base, f)) for f in changed)

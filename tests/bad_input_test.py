@@ -716,3 +716,15 @@ def test_reset_switched_off_keeps_what_the_command_line_gives():
     config_lib.reset_switched_off(cfg, file_cfg, argv)
     assert (cfg.critic.share_backbone, cfg.critic.lr) == (False, 0.5)
     assert file_cfg.critic.share_backbone is True
+
+
+def test_a_config_read_back_from_json_validates():
+    """A run's config.json turns tuples into lists (critic.betas of a run without a critic): read
+    back, it is the config it was written from, not a switched-off setting."""
+    import ml_collections
+
+    from jrl import config as config_lib
+
+    cfg = ml_collections.ConfigDict(json.loads(json.dumps(tiny_config().to_dict())))
+    assert isinstance(cfg.critic.betas, list)
+    config_lib.validate(cfg)
