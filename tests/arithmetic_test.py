@@ -244,4 +244,4 @@ def test_few_shot_task_prompts_rows_and_ground_truths(tok):
 )
 def test_first_line_reward_cases(response, score):
     assert rewards.arithmetic.first_line([response], ["19"]) == [score]
-    assert rewards.HOST_REWARDS.get("first_line")(None) is rewards.arithmetic.first_line
+    assert rewards.HOST_REWARDS.get("first_line").make(None) is rewards.arithmetic.first_line

@@ -123,8 +123,8 @@ def run_cli(workdir, args):
 
 TINY = "--config=configs/grpo_math.py:tiny"
 # The config files shipped in configs/ (more may come: each must be listed in the error).
-SHIPPED = ["configs/dapo_math.py", "configs/group_ppo_math.py", "configs/grpo_math.py"]
-SHIPPED += ["configs/ppo_math.py"]
+SHIPPED = ["configs/dapo_math.py", "configs/group_ppo_math.py", "configs/grpo_gemma_cpu.py"]
+SHIPPED += ["configs/grpo_math.py", "configs/ppo_math.py", "configs/tool_math.py"]
 
 # id -> (arguments after the tiny config; DATA is the data fixture's directory), and the pieces
 # the last stderr line must hold: the problem (field or file, value) and the fix.
@@ -642,6 +642,8 @@ def _shipped_configs():
     for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
         if name.endswith(".py") and not name.startswith("_"):
             module = importlib.import_module(f"configs.{name[:-3]}")
+            if not hasattr(module, "get_config"):  # configs/common.py: what the files share
+                continue
             for preset in ("", *getattr(module, "PRESETS", {})):
                 cases.append((name[:-3], preset))
     # ppo_math.py's own preset, and combinations the docs show
@@ -657,6 +659,8 @@ def test_shipped_configs_and_presets_validate(name, preset):
     cfg = importlib.import_module(f"configs.{name}").get_config(preset or None)
     if cfg.task.name != "arithmetic":  # what the command line must add: the data files ...
         cfg.task.train_files = "train.jsonl"  # validate only checks it is set
+    if cfg.task.name == "custom":  # ... and, for data=custom, the user's reward function
+        cfg.task.reward = "my_reward.py:score"
     if cfg.tokenizer == "":  # ... and a checkpoint or a tokenizer for model= presets
         cfg.tokenizer = "char"
     config_lib.validate(cfg)

@@ -49,6 +49,8 @@ def first_line(responses, ground_truths) -> list[float]:
     """Host reward "first_line": 1.0 when a response's text before its first newline (all of
     it when it has none) equals the ground truth exactly, else 0.0."""
     return [float(r.split("\n", 1)[0] == g) for r, g in zip(responses, ground_truths)]
+
+
 def final_answer_match(response_ids, response_mask, answer_ids, answer_len, end_id, *, eos_id: int):
     """`exact_match` of the response's final answer: the tokens after the last tool block, whose
     last token is `end_id` (`;` of the compact format), so `<37*48>=1776;1776<eos>` scores 1 for
