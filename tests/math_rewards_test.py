@@ -320,7 +320,8 @@ def test_user_reward_errors_name_the_sample(task, helpers, fn, message):
 
 def test_get_reward_errors(task, helpers):
     assert rewards.get_reward("arithmetic_exact_match") is rewards.arithmetic_exact_match
-    with pytest.raises(ValueError, match="unknown reward 'gsm9k'.*arithmetic_exact_match, format"):
+    names = "arithmetic_exact_match, arithmetic_final_answer, first_line, format, gsm8k, math"
+    with pytest.raises(ValueError, match=f"unknown reward 'gsm9k'.*{names}"):
         rewards.get_reward("gsm9k", task)
     with pytest.raises(ValueError, match="reward 'math' scores decoded text.*needs the task"):
         rewards.get_reward("math")
