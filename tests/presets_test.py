@@ -157,7 +157,7 @@ def test_custom_data_preset_asks_for_a_reward():
     assert str(e.value) == (
         "task.reward='arithmetic_exact_match' scores the built-in arithmetic tasks only; for "
         "task.name='custom' set --config.task.reward to your function (path/to/reward.py:function "
-        "or package.module:function) or one of format, gsm8k, math."
+        "or package.module:function) or one of first_line, format, gsm8k, math."
     )
 
 
