@@ -246,7 +246,8 @@ def test_registry(tok, files):
     assert isinstance(
         data.make_task("arithmetic", tok, num_digits=1, eval_size=4), data.ArithmeticTask
     )
-    with pytest.raises(ValueError, match="unknown task 'gsm9k'.*arithmetic, custom, gsm8k, math"):
+    names = "arithmetic, custom, few_shot_arithmetic, gsm8k, math, tool_arith"
+    with pytest.raises(ValueError, match=f"unknown task 'gsm9k'.*{names}"):
         data.make_task("gsm9k", tok)
     # custom: the question as written (no instruction), the answer as the ground truth.
     own = write_jsonl(files[0] + ".own.jsonl", [{"question": "7+8=", "answer": "15"}] * 3)
