@@ -257,6 +257,9 @@ class StepSpec:
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
     tx: optax.GradientTransformation  # the policy's optimizer (`policy_optimizer`)
     critic_tx: optax.GradientTransformation  # the separate critic's
+    # the benchmark's fixed response length of each of the B rows (`rollout.generate`'s
+    # `forced_length`); None (every run): the policy decides where EOS falls
+    forced_length: tuple[int, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -289,6 +292,7 @@ def make_spec(
     pad_id: int,
     max_new_tokens: int,
     mesh=None,
+    forced_length=None,
 ) -> StepSpec:
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
@@ -309,6 +313,7 @@ def make_spec(
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
         tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
+        forced_length=None if forced_length is None else tuple(int(x) for x in forced_length),
     )
 
 
@@ -337,6 +342,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,
         greedy=greedy,
+        forced_length=None if greedy else spec.forced_length,
     )
     exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
     if cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs (IS / bypass)
