@@ -78,6 +78,11 @@ def base_config() -> ml_collections.ConfigDict:
     # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
     # (jrl.logprobs.prompt_group):
     c.model.shared_prompt_forward = True
+    # Static response lengths below R (e.g. (R // 4, R // 2)) that the scoring and update forwards
+    # trim to: rows are ordered by response length into micro-batches, and each micro-batch runs
+    # at the smallest length holding its longest response (jrl/buckets.py). Off (()) until
+    # measured to pay; each length compiles those forwards once more.
+    c.model.response_buckets = ()
 
     # "char": built-in character tokenizer; a local HF tokenizer dir; "": model.hf_path
     c.tokenizer = "char"

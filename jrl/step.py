@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jrl import logprobs, microbatch, rollout
+from jrl import buckets, logprobs, microbatch, rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
@@ -260,6 +260,8 @@ class StepSpec:
     # the benchmark's fixed response length of each of the B rows (`rollout.generate`'s
     # `forced_length`); None (every run): the policy decides where EOS falls
     forced_length: tuple[int, ...] | None = None
+    # the response lengths the forwards are trimmed to (`buckets.bucket_sizes`); (R,): no trim
+    buckets: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -314,6 +316,7 @@ def make_spec(
         tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
         forced_length=None if forced_length is None else tuple(int(x) for x in forced_length),
+        buckets=buckets.bucket_sizes(cfg.model.response_buckets, max_new_tokens),
     )
 
 
@@ -459,7 +462,7 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     rows = {k: exp[k] for k in ("input_ids", "attention_mask", "response_ids", "response_mask")}
     score = lambda r: score_forwards(spec, state, r)
     micro, group = spec.micro["log_prob"], spec.group["log_prob"]
-    scored = microbatch.in_micro_batches(score, rows, micro, group)
+    scored = buckets.in_micro_batches(score, rows, micro, group, spec.buckets)
     exp = {**exp, **jax.lax.stop_gradient(scored)}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
@@ -611,7 +614,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
     actor_key, critic_key = jax.random.split(key)  # policy and critic draw their own masks
     counts = mini_batch_counts(spec, mb)
     base = state.ref_params if lora_on(spec.cfg) else None
-    grads, metrics = microbatch.accumulate_grads(
+    grads, metrics = buckets.accumulate_grads(
         actor_loss,
         state.params,
         mb,
@@ -622,11 +625,12 @@ def update_minibatch(spec: StepSpec, carry, xs):
         actor_on,
         key=actor_key,
         group=spec.group["actor"],
+        sizes=spec.buckets,
     )
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
     if spec.use_critic and not spec.shared:
-        critic_grads, critic_metrics = microbatch.accumulate_grads(
+        critic_grads, critic_metrics = buckets.accumulate_grads(
             critic_loss,
             state.critic_params,
             mb,
@@ -636,6 +640,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
             base,
             key=critic_key,
             group=spec.group["critic"],
+            sizes=spec.buckets,
         )
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
         metrics.update(critic_metrics)
