@@ -8,10 +8,7 @@ import numpy as np
 import pytest
 
 from jrl import buckets, microbatch
-from jrl import step as step_lib
-from jrl.models import transformer as tfm
-from jrl.run import trainer
-from conftest import tiny_config
+from conftest import run_steps, tiny_config
 
 
 def test_trimmed_runs_at_the_smallest_length_holding_the_longest_response():
@@ -51,15 +48,7 @@ def test_buckets_change_no_metric_and_no_parameter(config):
     results = []
     for sizes in ((), (4, 8)):
         cfg = tiny_config(config, **changes, **{"model.response_buckets": sizes})
-        tok, task, reward_fn, model_cfg = trainer.build(cfg)
-        ids = trainer.sampling_ids(tok, task)
-        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids, forced_length=LENGTHS))
-        key = jax.random.key(0)
-        state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
-        metrics = []
-        for i in range(2):
-            state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))
-            metrics.append(jax.device_get(m))
+        state, metrics = run_steps(cfg, 2, forced_length=LENGTHS)
         results.append((jax.device_get((state.params, state.critic_params)), metrics))
     (want_params, want_metrics), (got_params, got_metrics) = results
     if config == "ppo_math":
