@@ -60,3 +60,26 @@ def test_buckets_change_no_metric_and_no_parameter(config):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_params, want_params
     )
+
+
+def test_buckets_refuse_what_depends_on_the_response_width():
+    from jrl import config as config_lib
+
+    cases = [
+        ({"model.response_buckets": (0, 4)}, "positive response lengths"),
+        ({"actor.loss_agg_mode": "seq-mean-token-sum-norm"}, "actor.loss_scale_factor"),
+        ({"actor.policy_loss": "clip_cov"}, "clip_cov"),
+    ]
+    for changes, message in cases:
+        cfg = tiny_config(**{"model.response_buckets": (4,), **changes})
+        with pytest.raises(config_lib.ConfigError, match=message) as e:
+            config_lib.validate(cfg)
+        assert "\n" not in str(e.value)
+    cfg = tiny_config(
+        **{
+            "model.response_buckets": (4,),
+            "actor.loss_agg_mode": "seq-mean-token-sum-norm",
+            "actor.loss_scale_factor": 16.0,
+        }
+    )
+    config_lib.validate(cfg)
