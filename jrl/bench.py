@@ -1,4 +1,4 @@
-"""Benchmark of the fused RL step: python -m jrl.bench --workload=W1|W2 [--steps=10] [--json]
+"""Benchmark of the fused RL step: python -m jrl.bench --workload=W1|W2|W3 [--steps=10] [--json]
 "Will it fit?": python -m jrl.bench --memory --config=configs/X.py[:presets] [--config.a.b=v ...]
 
 Workloads are fixed so that other systems can run the same ones (random-initialised Qwen2-style
@@ -9,14 +9,21 @@ step, no reference model):
   W2: hidden 256, 4 layers, 8 heads, 4 KV heads, MLP 1024, tied embeddings; 16 prompts x 8
       samples x 64 new tokens; the update in micro-batches of 16 rows (--micro_batch), gradients
       summed into the one optimizer update.
-Every response is exactly the stated number of new tokens (EOS does not stop decoding), so the
-work per step does not depend on what the random model samples.
+  W3: W2's model and rows with a 512-token response budget; every response ends at EOS at a
+      length of its own, fixed per row (a log-normal draw of seed 0: mean 125, median 86, 2 of
+      128 rows at 512; `jrl.run.benchmark.response_lengths`), forced in the rollout
+      (`rollout.generate`'s `forced_length`); `--fixed_length`: every response at 512.
+In W1 and W2 every response is exactly the stated number of new tokens (EOS does not stop
+decoding); in W3 each row's length is fixed: the work per step does not depend on what the random
+model samples.
 
 Reported: compile time of the fused step (with its first step), steady-state seconds per step
-(median of `--steps` steps after compile, the jitted step called as the trainer calls it), tokens/s
-(generated tokens, and prompt + generated), and the split of a step into rollout + reward /
-log-probs + advantages / update, timed by jitting the same three phase functions
-(`jrl.step.make_phases`) separately.
+(median of `--steps` steps after compile, the jitted step called as the trainer calls it), real
+tokens/s (response tokens up to EOS, and prompt + response), and the split of a step into
+rollout + reward / log-probs + advantages / update, timed by jitting the same three phase functions
+(`jrl.step.make_phases`) separately. W3 also reports the share of the positions each phase
+computes that hold real tokens (`real_token_share`: decode, scoring, update; scoring is null when
+the step runs no scoring forward, as in W3's on-policy GRPO).
 
 `--memory` compiles (never runs) the fused step of a config on the current devices and its mesh
 with abstract inputs (no parameter is allocated) and reports XLA's compile-time memory analysis per
@@ -45,6 +52,9 @@ _MICRO_BATCH = flags.DEFINE_integer(
     None,
     "Rows per forward / backward of the update instead of the workload's (0: all at once).",
 )
+_FIXED_LENGTH = flags.DEFINE_bool(
+    "fixed_length", False, "W3: every response at the 512-token budget instead of its own length."
+)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _MEMORY = flags.DEFINE_bool(
     "memory",
@@ -70,7 +80,11 @@ def main(argv):
             else "\n".join(f"{k:<28} {v}" for k, v in result.items())
         )
         return
-    result = benchmark.run(_WORKLOAD.value, _STEPS.value, _MICRO_BATCH.value)
+    if _FIXED_LENGTH.value and benchmark.response_lengths(_WORKLOAD.value) is None:
+        cli.fail(f"--fixed_length applies to W3 only (--workload={_WORKLOAD.value}): drop it.")
+    result = benchmark.run(
+        _WORKLOAD.value, _STEPS.value, _MICRO_BATCH.value, fixed_length=_FIXED_LENGTH.value
+    )
     if _JSON.value:
         print(json.dumps(result))
         return

@@ -79,6 +79,11 @@ def base_config() -> ml_collections.ConfigDict:
     # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
     # (jrl.logprobs.prompt_group):
     c.model.shared_prompt_forward = True
+    # Static response lengths below R (e.g. (R // 4, R // 2)) that the scoring and update forwards
+    # trim to: rows are ordered by response length into micro-batches, and each micro-batch runs
+    # at the smallest length holding its longest response (jrl/buckets.py). Off (()) until
+    # measured to pay; each length compiles those forwards once more.
+    c.model.response_buckets = ()
 
     # "char": built-in character tokenizer; a local HF tokenizer dir; "": model.hf_path
     c.tokenizer = "char"
@@ -336,6 +341,34 @@ def _choice(field: str, value, valid) -> None:
         )
 
 
+def _check_response_buckets(cfg: ml_collections.ConfigDict) -> None:
+    """`model.response_buckets`: positive lengths, and nothing whose result depends on the width
+    of the response axis (the trimmed forwards must compute what the padded one does)."""
+    sizes = tuple(cfg.model.response_buckets)
+    _check(
+        all(isinstance(b, int) and b > 0 for b in sizes),
+        f"model.response_buckets={sizes}: use positive response lengths, e.g. (128, 256), "
+        "or () for none.",
+    )
+    if not sizes:
+        return
+    _check(
+        cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm" or bool(cfg.actor.loss_scale_factor),
+        "model.response_buckets with actor.loss_agg_mode=seq-mean-token-sum-norm divides by the "
+        "trimmed width: set actor.loss_scale_factor (e.g. to R) or drop the buckets.",
+    )
+    _check(
+        cfg.critic.loss_agg_mode != "seq-mean-token-sum-norm",
+        "model.response_buckets with critic.loss_agg_mode=seq-mean-token-sum-norm divides by the "
+        "trimmed width: use another critic.loss_agg_mode or drop the buckets.",
+    )
+    _check(
+        cfg.actor.policy_loss != "clip_cov",
+        "model.response_buckets with actor.policy_loss=clip_cov draws its tokens over the trimmed "
+        "width: drop the buckets for clip_cov.",
+    )
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -343,6 +376,7 @@ def _check(ok: bool, message: str) -> None:
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Checks names, ranges and divisibility; raises ConfigError with a one-line message."""
+    _check_response_buckets(cfg)
     _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS)
     _choice("actor.policy_loss", cfg.actor.policy_loss, losses.POLICY_LOSSES)
     _choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, losses.AGG_MODES)
@@ -798,6 +832,8 @@ def reset_switched_off(cfg, file_cfg, argv) -> None:
             if path not in given:
                 parent, _, leaf = path.rpartition(".")
                 _field(cfg, parent)[leaf] = _field(base, path)
+
+
 def load_file(path: str, next_to: str | None = None):
     """The module of the Python file at `path` (relative to the directory of the file `next_to`
     when given), executed afresh: a config file, or what config files share (configs/common.py),

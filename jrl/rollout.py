@@ -75,6 +75,23 @@ def sample_token(u_B, logits_BV, *, temperature: float, top_k: int, top_p: float
     return token.astype(jnp.int32), logp
 
 
+class _ForcedEos(NamedTuple):
+    """`generate`'s `forced_length`: EOS masked out before a row's length, written at it."""
+
+    length_B: jax.Array  # [B] int32
+    eos_id: int
+    temperature: float
+
+    def mask_eos(self, t, logits_BV):
+        early = (t < self.length_B - 1)[:, None] & (jnp.arange(logits_BV.shape[-1]) == self.eos_id)
+        return jnp.where(early, jnp.finfo(logits_BV.dtype).min, logits_BV)
+
+    def write_eos(self, t, token_B, logits_BV):
+        token_B = jnp.where(t == self.length_B - 1, self.eos_id, token_B).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(logits_BV / self.temperature, -1)
+        return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], -1)[:, 0]
+
+
 def generate(
     model_cfg: transformer.ModelConfig,
     params,
@@ -91,13 +108,19 @@ def generate(
     greedy: bool = False,
     samples: int = 1,
     stop_ids: tuple[int, ...] = (),
+    forced_length=None,
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
     `stop_ids` are more tokens that end a row as EOS does (kept in the response and its mask).
 
     With `samples` = n > 1 the prompt arrays hold each prompt once and every prompt gets n
     consecutive rows (`jnp.repeat` order, B = n x the prompts): a prompt's keys and values are
-    computed once and copied into its n rows' cache (a group's samples share the prompt)."""
+    computed once and copied into its n rows' cache (a group's samples share the prompt).
+
+    `forced_length` ([B] int, 1..R; the benchmark's fixed response lengths, `jrl.run.benchmark`):
+    row b never samples EOS before token `forced_length[b] - 1` and emits EOS there, so its
+    response is exactly that long whatever the model samples. Its `log_probs` are the policy's
+    (unmasked) log-probs of the tokens written. None: plain sampling."""
     model = transformer.Transformer(model_cfg)
     params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
     variables = transformer.variables(params)
@@ -114,17 +137,22 @@ def generate(
     cache, first_pos_B = pin(pre.cache), pre.first_position
 
     uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
+    if forced_length is not None:
+        forced = _ForcedEos(jnp.asarray(forced_length, jnp.int32), eos_id, temperature)
 
     def record(t, logits_BV, done, ids, mask, logps):
         """Samples response token t of every live row (pad for a finished one) into the arrays."""
+        sample_logits = logits_BV if forced_length is None else forced.mask_eos(t, logits_BV)
         token, logp = sample_token(
             uniforms_RB[t],
-            logits_BV,
+            sample_logits,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             greedy=greedy,
         )
+        if forced_length is not None:
+            token, logp = forced.write_eos(t, token, logits_BV)
         live = ~done
         token = jnp.where(live, token, pad_id)
         ids = ids.at[:, t].set(token)

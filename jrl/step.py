@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jrl import logprobs, microbatch, multi_turn, rollout
+from jrl import buckets, logprobs, microbatch, multi_turn, rollout
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
@@ -271,6 +271,11 @@ class StepSpec:
     # the multi-turn rollout's host (`jrl.tools.host.make_tool_host`; rollout.multi_turn.enable),
     # bound into the compiled program: one host, one compile. None: one-turn rollouts.
     tool_host: Any = None
+    # the benchmark's fixed response length of each of the B rows (`rollout.generate`'s
+    # `forced_length`); None (every run): the policy decides where EOS falls
+    forced_length: tuple[int, ...] | None = None
+    # the response lengths the forwards are trimmed to (`buckets.bucket_sizes`); (R,): no trim
+    buckets: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -305,6 +310,7 @@ def make_spec(
     stop_ids: tuple[int, ...] = (),
     mesh=None,
     tool_host=None,
+    forced_length=None,
 ) -> StepSpec:
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
@@ -328,6 +334,8 @@ def make_spec(
         tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
         tool_host=tool_host,
+        forced_length=None if forced_length is None else tuple(int(x) for x in forced_length),
+        buckets=buckets.bucket_sizes(cfg.model.response_buckets, max_new_tokens),
     )
 
 
@@ -348,6 +356,8 @@ def sample_responses(
         out = rollout.generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, **sampling)
         return out, out.response_mask
     sampling.pop("stop_ids", None)  # a turn ends at the host's stop ids (rollout.stop is refused)
+    if sampling.pop("forced_length", None) is not None:
+        raise ValueError("forced_length (the benchmark's fixed lengths) is one-turn only")
     out = multi_turn.generate(
         model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, host=tool_host, **sampling
     )
@@ -378,6 +388,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,
         greedy=greedy,
+        forced_length=None if greedy else spec.forced_length,
     )
     exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
     multi = spec.tool_host is not None
@@ -506,7 +517,7 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     rows = {k: exp[k] for k in names if k in exp}
     score = lambda r: score_forwards(spec, state, r)
     micro, group = spec.micro["log_prob"], spec.group["log_prob"]
-    scored = microbatch.in_micro_batches(score, rows, micro, group)
+    scored = buckets.in_micro_batches(score, rows, micro, group, spec.buckets)
     exp = {**exp, **jax.lax.stop_gradient(scored)}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
@@ -658,7 +669,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
     actor_key, critic_key = jax.random.split(key)  # policy and critic draw their own masks
     counts = mini_batch_counts(spec, mb)
     base = state.ref_params if lora_on(spec.cfg) else None
-    grads, metrics = microbatch.accumulate_grads(
+    grads, metrics = buckets.accumulate_grads(
         actor_loss,
         state.params,
         mb,
@@ -669,11 +680,12 @@ def update_minibatch(spec: StepSpec, carry, xs):
         actor_on,
         key=actor_key,
         group=spec.group["actor"],
+        sizes=spec.buckets,
     )
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
     if spec.use_critic and not spec.shared:
-        critic_grads, critic_metrics = microbatch.accumulate_grads(
+        critic_grads, critic_metrics = buckets.accumulate_grads(
             critic_loss,
             state.critic_params,
             mb,
@@ -683,6 +695,7 @@ def update_minibatch(spec: StepSpec, carry, xs):
             base,
             key=critic_key,
             group=spec.group["critic"],
+            sizes=spec.buckets,
         )
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
         metrics.update(critic_metrics)

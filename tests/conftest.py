@@ -47,3 +47,24 @@ def tiny_model(vocab_size: int, **changes):
 
     fields = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
     return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **changes})
+
+
+def run_steps(cfg, steps: int, **step_kwargs):
+    """`steps` fused steps of `cfg` from its seed-0 initial state on the task's batches 0, 1, ...:
+    (final state, each step's metrics on the host). `step_kwargs` go to `make_step`."""
+    import jax
+
+    from jrl import step as step_lib
+    from jrl.models import transformer
+    from jrl.run import trainer
+
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids, **step_kwargs))
+    key = jax.random.key(0)
+    state = step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
+    metrics = []
+    for i in range(steps):
+        state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))
+        metrics.append(jax.device_get(m))
+    return state, metrics

@@ -17,8 +17,7 @@ import pytest
 from jrl import step as step_lib
 from jrl.run import trainer
 from jrl.models import transformer as tfm
-from conftest import REPO, tiny_config
-
+from conftest import REPO, run_steps, tiny_config
 
 
 def _phases(cfg, mesh=None):
@@ -115,16 +114,7 @@ def test_fused_step_with_everything_on_equals_everything_off():
     }
     results = []
     for cfg in (tiny_config(), tiny_config(**lean)):
-        tok, task, reward_fn, model_cfg = trainer.build(cfg)
-        step = jax.jit(
-            step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
-        )
-        key = jax.random.key(0)
-        state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
-        metrics = []
-        for i in range(2):
-            state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))
-            metrics.append(jax.device_get(m))
+        state, metrics = run_steps(cfg, 2)
         results.append((jax.device_get(state.params), metrics))
     (want_params, want_metrics), (got_params, got_metrics) = results
     for want, got in zip(want_metrics, got_metrics):

@@ -24,7 +24,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def gen(params):
-    def run(key, greedy=False, temperature=1.0, top_k=0, top_p=1.0):
+    def run(key, greedy=False, temperature=1.0, top_k=0, top_p=1.0, forced_length=None):
         return rollout.generate(
             CFG,
             params,
@@ -38,6 +38,7 @@ def gen(params):
             top_k=top_k,
             top_p=top_p,
             greedy=greedy,
+            forced_length=forced_length,
         )
 
     return jax.jit(run, static_argnames=("greedy", "temperature", "top_k", "top_p"))
@@ -70,7 +71,11 @@ def test_mask_is_one_through_first_eos_and_zero_after(gen):
 
 
 def test_sampled_log_probs_equal_recomputed_ones(gen, params):
-    out = gen(jax.random.key(3), temperature=0.7)
+    assert_log_probs_recomputed(params, gen(jax.random.key(3), temperature=0.7), 0.7)
+
+
+def assert_log_probs_recomputed(params, out, temperature):
+    """The rollout's log-probs equal those of a full forward over prompt + response."""
     logp = response_outputs(
         CFG,
         params,
@@ -78,7 +83,7 @@ def test_sampled_log_probs_equal_recomputed_ones(gen, params):
         jnp.asarray(PMASK),
         out.response_ids,
         out.response_mask,
-        temperature=0.7,
+        temperature=temperature,
     )["log_prob"]
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], np.asarray(logp)[m], atol=1e-4)
@@ -206,3 +211,21 @@ def test_stop_ids_end_a_row_like_eos(params):
         assert np.all(np.asarray(out.response_ids[b, end:]) == PAD)
         np.testing.assert_allclose(np.asarray(out.log_probs[b, :end]), logp[b, :end], atol=1e-6)
     assert hits >= 2
+
+
+def test_forced_length_ends_each_row_at_its_length(gen, params):
+    """`forced_length` (the benchmark's fixed lengths): row b's response is exactly L_b tokens,
+    EOS last, no EOS before (this model samples EOS often unforced, see
+    test_mask_is_one_through_first_eos_and_zero_after), pad after; its log-probs are the
+    policy's own, as the full forward recomputes them."""
+    lengths = np.array([1, 4, 6], np.int32)
+    for seed in range(4):
+        out = gen(jax.random.key(seed), temperature=0.7, forced_length=jnp.asarray(lengths))
+        ids, mask = np.asarray(out.response_ids), np.asarray(out.response_mask)
+        for row_ids, row_mask, length in zip(ids, mask, lengths):
+            np.testing.assert_array_equal(row_mask, np.arange(R) < length)
+            assert row_ids[length - 1] == EOS
+            assert not np.any(row_ids[: length - 1] == EOS)
+            assert np.all(row_ids[length:] == PAD)
+        assert_log_probs_recomputed(params, out, 0.7)
+        assert np.all(np.asarray(out.log_probs)[mask == 0] == 0)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jrl import config as config_lib
+from jrl import logprobs
 from jrl import sharding
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
@@ -20,6 +21,7 @@ from jrl.data.arithmetic import ArithmeticTask
 from jrl.models import transformer
 from jrl.rewards import get_reward
 
+_W2_MODEL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024)
 WORKLOADS = {
     "W1": dict(
         model=dict(
@@ -30,9 +32,7 @@ WORKLOADS = {
         new_tokens=16,
     ),
     "W2": dict(
-        model=dict(
-            hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024
-        ),
+        model=_W2_MODEL,
         prompts=16,
         n=8,
         new_tokens=64,
@@ -41,7 +41,62 @@ WORKLOADS = {
         # 1.25x faster than all 128 at once: each micro-batch's activations stay in cache.
         micro_batch=16,
     ),
+    # W2's model and rows with a 512-token budget; each response ends at EOS at a fixed length
+    # (`response_lengths`): long-tailed, mean ~R/4, as in reasoning RL.
+    "W3": dict(
+        model=_W2_MODEL,
+        prompts=16,
+        n=8,
+        new_tokens=512,
+        micro_batch=16,
+        lengths=dict(sigma=1.0, seed=0),
+    ),
 }
+
+
+def response_lengths(name: str, fixed_length: bool = False) -> np.ndarray | None:
+    """[B] response lengths (EOS included) that workload `name` forces (`rollout.generate`'s
+    `forced_length`), or None for a workload without them (W1, W2: EOS never stops a row). A
+    log-normal of shape sigma around a mean of R/4, rounded and clipped to [1, R], from a fixed
+    seed: the same lengths every run (W3: mean 125.2, median 85.5, 2 of 128 rows at 512).
+    `fixed_length`: every row at the budget R instead."""
+    w = WORKLOADS[name]
+    if "lengths" not in w:
+        return None
+    rows, r = w["prompts"] * w["n"], w["new_tokens"]
+    if fixed_length:
+        return np.full((rows,), r, np.int32)
+    sigma, seed = w["lengths"]["sigma"], w["lengths"]["seed"]
+    mu = np.log(r / 4) - sigma**2 / 2  # the log-normal's mean is exp(mu + sigma^2 / 2) = R / 4
+    drawn = np.random.default_rng(seed).lognormal(mu, sigma, rows)
+    return np.clip(np.round(drawn), 1, r).astype(np.int32)
+
+
+def token_shares(spec: step_lib.StepSpec, prompt_mask, lengths) -> dict:
+    """Share of the positions each phase computes that hold real tokens (prompt tokens, response
+    tokens up to and including EOS), for responses of `lengths` [B] and prompts `prompt_mask`
+    [B_p, P]. decode: B rows x the longest response's steps; scoring and update: each forward's
+    [B, P + R] positions (with a shared-prompt forward, each prompt once: B_p x P + B x R).
+    scoring is None when it runs no forward (an on-policy update without reference or critic)."""
+    prompt_mask, lengths = np.asarray(prompt_mask), np.asarray(lengths)
+    b, r, (b_p, p) = len(lengths), spec.max_new_tokens, prompt_mask.shape
+    n, real_response = b // b_p, int(lengths.sum())
+
+    def forward_share(name):
+        grouped = spec.group[name] > 1 and logprobs.grouped_forward_suits(spec.model_cfg, p + r)
+        copies = 1 if grouped else n
+        return (copies * int(prompt_mask.sum()) + real_response) / (copies * b_p * p + b * r)
+
+    scoring_forwards = (
+        (not (spec.on_policy or step_lib.bypass_mode(spec.cfg)))
+        + step_lib.needs_reference(spec.cfg)
+        + (spec.use_critic and not spec.shared)
+    )
+    return {
+        "decode": round(real_response / (b * int(lengths.max())), 4),
+        "scoring": round(forward_share("log_prob"), 4) if scoring_forwards else None,
+        "update": round(forward_share("actor"), 4),
+    }
 
 
 def workload_config(name: str, micro_batch: int | None = None):
@@ -83,15 +138,25 @@ class Workload(NamedTuple):
     batch: dict  # the prompts of one step, on the device
 
 
-def setup(name: str, micro_batch: int | None = None) -> Workload:
-    """Workload `name` (`workload_config`) with a random-initialised model and its first prompts."""
+def setup(name: str, micro_batch: int | None = None, fixed_length: bool = False) -> Workload:
+    """Workload `name` (`workload_config`) with a random-initialised model and its first prompts.
+    `fixed_length`: a workload with forced lengths (W3) forces every response to the budget."""
     cfg = workload_config(name, micro_batch)
     w = WORKLOADS[name]
     tok = tokenizer_lib.char_tokenizer()
     task = ArithmeticTask(tok, max_response_length=w["new_tokens"], seed=cfg.seed)
     model_cfg = trainer.model_config(cfg, len(tok))
-    # eos_id=-1: no row ever stops early, so every step decodes exactly `new_tokens` tokens.
-    ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
+    lengths = response_lengths(name, fixed_length)
+    if lengths is None:
+        # eos_id=-1: no row ever stops early, so every step decodes exactly `new_tokens` tokens.
+        ids = dict(eos_id=-1, pad_id=tok.pad_token_id, max_new_tokens=w["new_tokens"])
+    else:  # every row ends at EOS at its forced length, whatever the model samples
+        ids = dict(
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            max_new_tokens=w["new_tokens"],
+            forced_length=lengths,
+        )
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     state = step_lib.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
@@ -100,8 +165,10 @@ def setup(name: str, micro_batch: int | None = None) -> Workload:
     return Workload(cfg, model_cfg, get_reward(cfg.task.reward), ids, state, batch)
 
 
-def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
-    cfg, model_cfg, reward_fn, ids, state, batch = setup(name, micro_batch)
+def run(
+    name: str, steps: int = 10, micro_batch: int | None = None, fixed_length: bool = False
+) -> dict:
+    cfg, model_cfg, reward_fn, ids, state, batch = setup(name, micro_batch, fixed_length)
     w = WORKLOADS[name]
 
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids), donate_argnums=0)
@@ -129,8 +196,20 @@ def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
         "update": _median_seconds(lambda: update(state, scored, key), steps),
     }
     rows = w["prompts"] * w["n"]
-    generated = rows * w["new_tokens"]
+    lengths = ids.get("forced_length", np.full((rows,), w["new_tokens"]))
+    if int(np.sum(exp["response_mask"])) != int(np.sum(lengths)):
+        raise RuntimeError("the rollout's response lengths differ from the workload's")
+    generated = int(np.sum(lengths))  # real response tokens (EOS included)
     total = generated + int(np.sum(batch["attention_mask"])) * w["n"]
+    spec = step_lib.make_spec(cfg, model_cfg, reward_fn, **ids)
+    extra = {}
+    if "forced_length" in ids:
+        extra = {
+            "fixed_length": fixed_length,
+            "response_length_mean": round(float(np.mean(lengths)), 1),
+            "response_length_max": int(np.max(lengths)),
+            "real_token_share": token_shares(spec, batch["attention_mask"], lengths),
+        }
     return {
         "workload": name,
         "device": str(jax.devices()[0].device_kind),
@@ -138,6 +217,7 @@ def run(name: str, steps: int = 10, micro_batch: int | None = None) -> dict:
         "jax": jax.__version__,
         "rows": rows,
         "new_tokens": w["new_tokens"],
+        **extra,
         "micro_batch": cfg.actor.ppo_micro_batch_size_per_device,
         "compile_s": round(compile_s, 3),
         "step_s_median": round(step_s, 5),

@@ -76,7 +76,12 @@ def model_config(cfg, vocab_size: int) -> transformer.ModelConfig:
         return dataclasses.replace(
             hf_cfg, **{k: cfg.model[k] for k in transformer.COMPUTE_FIELDS}, **frozen
         )
-    step_fields = ("hf_path", "vocab_size", "shared_prompt_forward")  # not the model's
+    step_fields = (
+        "hf_path",
+        "vocab_size",
+        "shared_prompt_forward",
+        "response_buckets",
+    )  # not the model's
     fields = {k: v for k, v in cfg.model.items() if k not in step_fields}
     fields["head_dim"] = fields["head_dim"] or None
     vocab_size = cfg.model.vocab_size or vocab_size  # 0: the tokenizer's size
@@ -463,6 +468,8 @@ def kl_metric(cfg) -> str | None:
     if cfg.algorithm.use_kl_in_reward:
         return "actor/reward_kl_penalty"
     return None
+
+
 def make_eval(
     model_cfg: transformer.ModelConfig,
     reward_fn: Callable,

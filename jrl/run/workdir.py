@@ -65,6 +65,7 @@ SAFE_FIELDS = (
     "model.attention_block_size",
     "model.logits_chunk_size",
     "model.shared_prompt_forward",
+    "model.response_buckets",
     "*.ppo_micro_batch_size_per_device",
     "rollout.log_prob_micro_batch_size_per_device",
     "task.math_workers",
