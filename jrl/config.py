@@ -719,6 +719,13 @@ def _off_sections(cfg: ml_collections.ConfigDict) -> list[tuple[str, str, str, l
         ),
         (cfg.lora.rank, "LoRA", "lora.rank=0", "lora.rank=16 (any rank >= 1)", "lora"),
         (
+            cfg.rollout.multi_turn.enable,
+            "multi-turn tool use",
+            "rollout.multi_turn.enable=False",
+            "rollout.multi_turn.enable=True",
+            "rollout.multi_turn",
+        ),
+        (
             a.filter_groups.enable,
             "dynamic sampling",
             "algorithm.filter_groups.enable=False",

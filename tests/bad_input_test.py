@@ -555,6 +555,28 @@ SET_WHILE_OFF = {
             16,
         ),
     ),
+    "multi_turn": (
+        {"rollout.multi_turn.format": "compact"},
+        _off(
+            "rollout.multi_turn.format",
+            "compact",
+            "multi-turn tool use",
+            "rollout.multi_turn.enable=False",
+            "rollout.multi_turn.enable=True",
+            "hermes",
+        ),
+    ),
+    "multi_turn_tools": (
+        {"rollout.multi_turn.tools": "calc,python"},
+        _off(
+            "rollout.multi_turn.tools",
+            "calc,python",
+            "multi-turn tool use",
+            "rollout.multi_turn.enable=False",
+            "rollout.multi_turn.enable=True",
+            "calc",
+        ),
+    ),
     "two_fields_in_one_line": (
         {"lora.dropout": 0.1, "lora.alpha": 8.0},
         "lora.alpha=8.0, lora.dropout=0.1 have no effect while LoRA is off (lora.rank=0): turn "
@@ -633,6 +655,19 @@ def test_command_line_setting_at_its_default_while_off_is_refused():
     )
     on = tiny_config(**{"algorithm.rollout_correction.enable": True})
     assert config_lib.unused_override(on, [*argv, "--config.rollout.n=2"]) is None
+
+
+def test_multi_turn_setting_at_its_default_while_off_is_refused():
+    """`--config.rollout.multi_turn.max_assistant_turns=5` (the default) without
+    `rollout.multi_turn.enable=True` would run one turn per row: refused, naming the switch."""
+    from jrl import config as config_lib
+
+    argv = ["train", TINY, "--config.rollout.multi_turn.max_assistant_turns=5"]
+    assert config_lib.unused_override(tiny_config(), argv) == (
+        "--config.rollout.multi_turn.max_assistant_turns=5 has no effect while multi-turn tool "
+        "use is off (rollout.multi_turn.enable=False): turn it on with "
+        "--config.rollout.multi_turn.enable=True, or leave it out."
+    )
 
 
 def _shipped_configs():

@@ -133,7 +133,12 @@ def test_tool_math_config_and_its_no_tools_run():
     c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
     config_lib.validate(c)
     assert data.task_options(c)["tool_demos"] == 0.1
-    c.rollout.multi_turn.enable = False  # without tools the warm-up shows bare answers
+    # without tools (--config.rollout.multi_turn.enable=False) the warm-up shows bare answers;
+    # the file's other multi-turn settings go back to their defaults, as the command line does
+    file_c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
+    c.rollout.multi_turn.enable = False
+    config_lib.reset_switched_off(c, file_c, ["--config.rollout.multi_turn.enable=False"])
+    assert c.rollout.multi_turn.format == "hermes"  # the default again
     config_lib.validate(c)
     assert data.task_options(c)["tool_demos"] == 0.0
     c.task.tool_demos = 1.5

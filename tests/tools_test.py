@@ -489,8 +489,9 @@ def test_config_validation_names_the_field(fields, message):
     cfg.data.max_response_length = 64
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         config.validate(cfg)
-    cfg.rollout.multi_turn.enable = False  # a switched-off block is not checked
-    config.validate(cfg)
+    cfg.rollout.multi_turn.enable = False  # a switched-off block's settings are refused as such
+    with pytest.raises(config.ConfigError, match=r"no effect while multi-turn tool use is off"):
+        config.validate(cfg)
 
 
 def test_multi_turn_metrics_by_hand():
