@@ -44,13 +44,16 @@ TOOL_BLOCK = (
 )
 
 
-def qwen_style_tokenizer(template=QWEN_STYLE_TEMPLATE):
+def qwen_style_tokenizer(template=QWEN_STYLE_TEMPLATE, extra_tokens=()):
+    """The tiny Qwen-style tokenizer (module docstring), with `extra_tokens` added as whole
+    tokens (tests/multi_turn_hermes_step_test.py: a tool call's JSON in one token)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tok.add_tokens(list(extra_tokens))
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
