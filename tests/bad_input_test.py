@@ -124,7 +124,8 @@ def run_cli(workdir, args):
 TINY = "--config=configs/grpo_math.py:tiny"
 # The config files shipped in configs/ (more may come: each must be listed in the error).
 SHIPPED = ["configs/dapo_math.py", "configs/group_ppo_math.py", "configs/grpo_gemma_cpu.py"]
-SHIPPED += ["configs/grpo_math.py", "configs/ppo_math.py", "configs/tool_math.py"]
+SHIPPED += ["configs/grpo_math.py", "configs/gsm8k_tools.py", "configs/ppo_math.py"]
+SHIPPED += ["configs/tool_math.py"]
 
 # id -> (arguments after the tiny config; DATA is the data fixture's directory), and the pieces
 # the last stderr line must hold: the problem (field or file, value) and the fix.
@@ -696,8 +697,10 @@ def test_shipped_configs_and_presets_validate(name, preset):
         cfg.task.train_files = "train.jsonl"  # validate only checks it is set
     if cfg.task.name == "custom":  # ... and, for data=custom, the user's reward function
         cfg.task.reward = "my_reward.py:score"
-    if cfg.tokenizer == "":  # ... and a checkpoint or a tokenizer for model= presets
-        cfg.tokenizer = "char"
+    if cfg.tokenizer == "":  # ... and a checkpoint or a tokenizer for model= presets (a chat
+        # model's with the hermes tool format: validate only checks it is not the character one)
+        hermes = cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.format == "hermes"
+        cfg.tokenizer = "/models/Qwen2.5-0.5B-Instruct" if hermes else "char"
     config_lib.validate(cfg)
 
 

@@ -550,3 +550,32 @@ def test_python_tool_is_refused_without_a_sandbox(qwen, monkeypatch):
     monkeypatch.setattr(python_tool, "SANDBOX", ("false",))
     with pytest.raises(config.ConfigError, match="^rollout.multi_turn.tools: python: .*unshare"):
         make_tool_host(multi_turn_config(tools="calc,python"), qwen, max_response_length=999)
+
+
+def test_gsm8k_tools_config_lists_the_tools_in_its_chat_prompts(qwen, tmp_path):
+    """configs/gsm8k_tools.py (tiny, with the Qwen-style tokenizer saved as a directory and three
+    GSM8K records): it validates and builds, the chat prompts list calc as the template renders
+    `tools=`, the hermes host accepts the template; with tools off the prompts list nothing."""
+    from conftest import REPO
+
+    from jrl.run import trainer
+
+    qwen.save_pretrained(tmp_path / "tok")
+    records = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    file_cfg = config.load_file(f"{REPO}/configs/gsm8k_tools.py").get_config("tiny")
+    cfg = config.load_file(f"{REPO}/configs/gsm8k_tools.py").get_config("tiny")
+    cfg.tokenizer, cfg.task.train_files = str(tmp_path / "tok"), str(tmp_path / "train.jsonl")
+    cfg.task.eval_size, cfg.data.max_prompt_length = 1, 1024  # a byte per token here
+    config.validate(cfg)
+    tok, task, _, _ = trainer.build(cfg)
+    listed = '<tools>\n{"type": "function", "function": {"name": "calc"'
+    prompt = tok.decode(task.eval_batch()["input_ids"][0], skip_special_tokens=False)
+    assert listed in prompt and prompt.endswith("<|im_start|>assistant\n")
+    host = make_tool_host(cfg, tok, max_response_length=task.max_response_length)
+    assert host.stop_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    cfg.rollout.multi_turn.enable = False
+    config.reset_switched_off(cfg, file_cfg, ["--config.rollout.multi_turn.enable=False"])
+    config.validate(cfg)
+    prompt = tok.decode(trainer.build(cfg)[1].eval_batch()["input_ids"][0])
+    assert "<tools>" not in prompt and "What is" in prompt

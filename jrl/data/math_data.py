@@ -202,6 +202,8 @@ class MathTask:
       prompt_format: "plain": (bos +) the template's text; "chat": the tokenizer's chat
         template over [system_prompt,] user text, with the generation prompt added.
       system_prompt: a system message for "chat" (None: none).
+      tools: "chat" only: function schemas given to the chat template as `tools=` (a multi-turn
+        run's tools, listed in the prompt as the template renders them); None: none.
       max_prompt_length: most prompt tokens, special tokens included (None or 0: 512).
       max_response_length: R, new tokens per response (None or 0: 1024).
       overlong_prompts: "drop" | "truncate" (keep the last max_prompt_length tokens) | "error".
@@ -233,6 +235,7 @@ class MathTask:
         template: str = "{question}",
         prompt_format: str = "plain",
         system_prompt: Optional[str] = None,
+        tools: Optional[Sequence[dict]] = None,
         max_prompt_length: Optional[int] = None,
         max_response_length: Optional[int] = None,
         overlong_prompts: str = "drop",
@@ -261,6 +264,12 @@ class MathTask:
         self.question_field, self.answer_field = question_field, answer_field
         self.template, self.prompt_format = template, prompt_format
         self.system_prompt, self.add_bos = system_prompt, add_bos
+        if tools and prompt_format != "chat":
+            raise ValueError(
+                "tools need prompt_format='chat' (the chat template lists them); set "
+                "task.prompt_format=chat."
+            )
+        self.tools = list(tools) if tools else None
         self.answer_format, self.overlong_prompts = answer_format, overlong_prompts
         self.max_response_length = max_response_length
         self._max_prompt = max_prompt_length
@@ -421,8 +430,9 @@ class MathTask:
                 t if isinstance(t, list) else system + [{"role": "user", "content": t}]
                 for t in texts
             ]
+            tools = {"tools": self.tools} if self.tools else {}
             rendered = self.tokenizer.apply_chat_template(
-                chats, tokenize=False, add_generation_prompt=True
+                chats, tokenize=False, add_generation_prompt=True, **tools
             )
             return self.tokenizer(list(rendered), add_special_tokens=False)["input_ids"]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -37,6 +37,7 @@ from jrl.run import metric_writers as metric_files
 from jrl.run import samples as samples_lib
 from jrl.run import workdir as workdir_lib
 from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
+from jrl.tools import base as tool_base
 from jrl.tools import host as tool_host
 
 
@@ -149,6 +150,18 @@ def prompt_counts(task) -> dict:
     return out
 
 
+def task_options(cfg) -> dict:
+    """`data.task_options(cfg)`, and with rollout.multi_turn.enable and chat prompts the tools'
+    schemas (`tools=`), which the chat template lists in every prompt."""
+    options = data.task_options(cfg)
+    if cfg.rollout.multi_turn.enable and cfg.task.prompt_format == "chat":
+        if cfg.task.name not in data.ARITHMETIC_TASKS:  # the file tasks render chat prompts
+            options["tools"] = [
+                t.schema for t in tool_base.resolve_tools(cfg.rollout.multi_turn.tools)
+            ]
+    return options
+
+
 def build(cfg):
     """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
     missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
@@ -163,7 +176,7 @@ def build(cfg):
 
 def _build(cfg):
     tok, policy_cfg = policy_model(cfg)
-    task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
+    task = data.make_task(cfg.task.name, tok, **task_options(cfg))
     tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # each one token of this tokenizer
     reward_fn = rewards.get_reward(cfg.task.reward, task, tok, **rewards.reward_options(cfg.task))
     if len(tok) > policy_cfg.vocab_size:
