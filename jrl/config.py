@@ -97,6 +97,9 @@ def base_config() -> ml_collections.ConfigDict:
     # tool_arith: share of warm-up answers shown as a tool call (<37*48>=1776;1776); only with
     # rollout.multi_turn.enable (without tools the warm-up shows answers only)
     c.task.tool_demos = 0.5
+    # tool_arith: share of those demonstrations whose opening `<` (the choice to call) is trained;
+    # the others train the call's argument and the answer only (more copying, as few calls)
+    c.task.tool_call_share = 1.0
     c.task.eval_size = 256  # held-out problems in the eval split
     # jrl.rewards.names(), or a function of yours: "path/to/file.py:function" (the file) or
     # "package.module:function" (imported from the current directory or PYTHONPATH)
@@ -394,6 +397,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         0.0 <= cfg.task.tool_demos <= 1.0,
         f"task.tool_demos={cfg.task.tool_demos} must be a share in [0, 1], e.g. 0.5.",
+    )
+    _check(
+        0.0 <= cfg.task.tool_call_share <= 1.0,
+        f"task.tool_call_share={cfg.task.tool_call_share} must be a share in [0, 1], e.g. 0.2.",
     )
     if ":" not in cfg.task.reward:
         _choice("task.reward", cfg.task.reward, rewards.names())

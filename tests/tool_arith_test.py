@@ -38,6 +38,26 @@ def test_demonstrations_by_hand(tok):
     assert out["sft_loss_mask"][0].tolist() == [1] * 9 + [0] * 7 + [1] * 6 + [0] * 2
     assert out["sft_ids"][1].tolist() == ids("56") + [EOS_ID] + [PAD_ID] * 21
     assert out["sft_mask"][1].tolist() == out["sft_loss_mask"][1].tolist() == [1] * 3 + [0] * 21
+    # the choice to call not trained (a demonstration outside tool_call_share): the same row
+    # with its opening "<" masked; a bare answer is unchanged
+    copy = task.demonstrations(problems, np.array([True, False]), np.array([False, False]))
+    np.testing.assert_array_equal(copy["sft_ids"], out["sft_ids"])
+    assert copy["sft_loss_mask"][0].tolist() == [0] + [1] * 8 + [0] * 7 + [1] * 6 + [0] * 2
+    assert copy["sft_loss_mask"][1].tolist() == out["sft_loss_mask"][1].tolist()
+
+
+def test_tool_call_share_of_the_warm_up(tok):
+    """tool_demos 0.5, tool_call_share 0.2 over 2000 rows: about half the rows are
+    demonstrations, a fifth of those train their "<" (binomial bounds, 5 standard deviations)."""
+    task = ToolArithTask(tok, num_digits=3, ops=("*",), tool_demos=0.5, tool_call_share=0.2)
+    warm = task.train_batch(0, 2000, stream=1)
+    demo = warm["sft_ids"][:, 0] == CHAR_VOCAB.index("<")
+    trained = demo & (warm["sft_loss_mask"][:, 0] == 1)
+    assert abs(demo.sum() - 1000) < 5 * np.sqrt(2000 * 0.25)
+    assert abs(trained.sum() - 0.2 * demo.sum()) < 5 * np.sqrt(demo.sum() * 0.16)
+    assert (warm["sft_loss_mask"][~demo, 0] == 1).all()  # bare answers train their first digit
+    with pytest.raises(ValueError, match="tool_call_share=1.5"):
+        ToolArithTask(tok, tool_call_share=1.5)
 
 
 def test_demonstration_matches_the_real_tool_and_format(tok):
@@ -132,7 +152,10 @@ def test_task_batches_name_the_block_end_for_the_reward(tok):
 def test_tool_math_config_and_its_no_tools_run():
     c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
     config_lib.validate(c)
-    assert data.task_options(c)["tool_demos"] == 0.1
+    assert (data.task_options(c)["tool_demos"], data.task_options(c)["tool_call_share"]) == (
+        0.5,
+        0.2,
+    )
     # without tools (--config.rollout.multi_turn.enable=False) the warm-up shows bare answers;
     # the file's other multi-turn settings go back to their defaults, as the command line does
     file_c = config_lib.load_file(f"{REPO}/configs/tool_math.py").get_config()
@@ -143,6 +166,9 @@ def test_tool_math_config_and_its_no_tools_run():
     assert data.task_options(c)["tool_demos"] == 0.0
     c.task.tool_demos = 1.5
     with pytest.raises(config_lib.ConfigError, match=r"task.tool_demos=1.5 must be a share"):
+        config_lib.validate(c)
+    c.task.tool_demos, c.task.tool_call_share = 0.5, -0.1
+    with pytest.raises(config_lib.ConfigError, match=r"task.tool_call_share=-0.1 must be a share"):
         config_lib.validate(c)
 
 

@@ -15,7 +15,8 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
   "tool_arith"  arithmetic with a calculator (jrl/data/tool_arith.py): the arithmetic task whose
                 warm-up batches show, on a `tool_demos` share of rows, a tool call in the compact
                 format (`<37*48>=1776;1776`, the tool's `=1776;` not trained); kwargs: those of
-                "arithmetic" and tool_demos. Reward "arithmetic_final_answer".
+                "arithmetic", tool_demos and tool_call_share (the share of demonstrations
+                whose opening `<` is trained). Reward "arithmetic_final_answer".
   "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
@@ -58,7 +59,9 @@ def _few_shot_options(cfg) -> dict:
 def _tool_arith_options(cfg) -> dict:
     """Demonstrations only where the model has tools: a run without them warms up on answers."""
     demos = cfg.task.tool_demos if cfg.rollout.multi_turn.enable else 0.0
-    return dict(**_arithmetic_options(cfg), tool_demos=demos)
+    return dict(
+        **_arithmetic_options(cfg), tool_demos=demos, tool_call_share=cfg.task.tool_call_share
+    )
 
 
 def _file_options(cfg) -> dict:

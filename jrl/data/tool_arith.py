@@ -9,13 +9,18 @@ warm-up's own targets: for a `tool_demos` share of their rows a demonstration
 
     37*48=  ->  <37*48>=1776;1776<eos>      model: <37*48>   tool: =1776;   model: 1776<eos>
 
-and for the others the direct answer `1776<eos>`:
+and for the others the direct answer `1776<eos>`. In a `1 - tool_call_share` share of the
+demonstrations the opening `<` (the choice to call) is not trained, only the call's argument and
+the final answer: the warm-up then teaches copying a call's argument on many rows while the share
+of rows that train the first token to be `<` (which sets how often the warmed-up model calls)
+stays small.
 
   sft_ids        [Bp, R] int32  the demonstration (or the answer), then eos, then pad
   sft_mask       [Bp, R] int32  1 on its tokens and the eos (the forward reads them all)
   sft_loss_mask  [Bp, R] int32  1 where the model is trained: its own tokens and the eos, not the
                                 tool's answer `=1776;` (masked as in RL, where tool tokens have
-                                response_mask 0)
+                                response_mask 0), nor the `<` of a demonstration outside the
+                                `tool_call_share`
 
 Which rows are demonstrations is a function of (seed, step), from a stream of its own, so the
 problems themselves are the arithmetic task's. The reward for this task is
@@ -50,15 +55,17 @@ def demo_segments(a: int, op: str, b: int, tool: bool) -> list[tuple[str, bool]]
 class ToolArithTask(ArithmeticTask):
     """`ArithmeticTask` with tool-call demonstrations in its warm-up batches (module docstring).
 
-    `tool_demos`: the share of warm-up rows that are demonstrations, in [0, 1]. The response
-    length R defaults to the longest demonstration plus eos, whatever `tool_demos` (runs with and
-    without tools then have the same budget)."""
+    `tool_demos`: the share of warm-up rows that are demonstrations, in [0, 1];
+    `tool_call_share`: the share of demonstrations whose opening `<` is trained, in [0, 1]. The
+    response length R defaults to the longest demonstration plus eos, whatever `tool_demos` (runs
+    with and without tools then have the same budget)."""
 
     def __init__(
         self,
         tokenizer,
         *,
         tool_demos: float = 0.5,
+        tool_call_share: float = 1.0,
         num_digits: int = 2,
         ops: Sequence[str] = ("+",),
         max_response_length: Optional[int] = None,
@@ -66,7 +73,9 @@ class ToolArithTask(ArithmeticTask):
     ):
         if not 0.0 <= tool_demos <= 1.0:
             raise ValueError(f"tool_demos={tool_demos}: must be a share in [0, 1], e.g. 0.5.")
-        self.tool_demos = float(tool_demos)
+        if not 0.0 <= tool_call_share <= 1.0:
+            raise ValueError(f"tool_call_share={tool_call_share}: must be a share in [0, 1].")
+        self.tool_demos, self.tool_call_share = float(tool_demos), float(tool_call_share)
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
         self._encode = encode
         # A bound on the longest demonstration (+ eos): the longest call and twice the longest
@@ -109,12 +118,14 @@ class ToolArithTask(ArithmeticTask):
                 np.random.SeedSequence([self.seed, stream, step], spawn_key=(3,))
             )
             tool = rng.random(batch_size) < self.tool_demos
-            batch.update(self.demonstrations(mine, tool[rows]))
+            call = rng.random(batch_size) < self.tool_call_share
+            batch.update(self.demonstrations(mine, tool[rows], call[rows]))
         return batch
 
-    def demonstrations(self, problems: Problems, tool) -> dict:
+    def demonstrations(self, problems: Problems, tool, call=None) -> dict:
         """`sft_ids`, `sft_mask`, `sft_loss_mask` [N, R] of `problems`, row i a tool-call
-        demonstration where `tool[i]` (module docstring)."""
+        demonstration where `tool[i]`, its opening `<` trained where `call[i]` (default: every
+        row; module docstring)."""
         n, width = len(problems.a), self.max_response_length
         ids = np.full((n, width), self.pad_id, np.int32)
         mask = np.zeros((n, width), np.int32)
@@ -135,4 +146,6 @@ class ToolArithTask(ArithmeticTask):
             ids[i, : len(tokens)] = tokens
             mask[i, : len(tokens)] = 1
             loss_mask[i, : len(tokens)] = trained
+            if tool[i] and call is not None and not call[i]:
+                loss_mask[i, 0] = 0  # the choice to call: not trained on this row
         return dict(sft_ids=ids, sft_mask=mask, sft_loss_mask=loss_mask)
