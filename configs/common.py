@@ -121,22 +121,6 @@ def _hf(c):
     c.actor.entropy_coeff = 0.0  # no entropy bonus
 
 
-# Mesh presets. The axes are (data, fsdp, tensor) (jrl/sharding.py); -1 takes the devices the
-# others leave. Why the shapes: FSDP over the chips of one host (their fast links carry the
-# per-layer all-gathers; each chip holds 1/fsdp of the parameters, Adam moments and reference),
-# data parallelism over hosts for the rest (only gradients cross hosts), tensor parallelism never:
-# with FSDP alone every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting
-# heads would add two all-reduces per layer. State per device with the KL-loss reference (float32
-# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
-# Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
-# are multiples of data x fsdp, so they split evenly. Activations no longer bound them (chunked
-# log-probs, block remat, micro-batches of the _hf_model settings): the figures in the comments
-# are `python -m jrl.bench --memory` peaks per device at GSM8K / MATH lengths (256 + 512 /
-# 512 + 1024 tokens), compiled for CPU host devices standing in for the chips. XLA:CPU computes
-# bfloat16 matmuls in float32 and keeps float32 copies of the weights it converts, so for these
-# bfloat16 models they are upper bounds.
-
-
 def _qwen25(c):
     """What every Qwen2.5 size shares (its config.json): with model.hf_path the checkpoint's own
     config.json is used instead; without it, a random model of the preset's exact shape."""
@@ -238,22 +222,23 @@ def _lora(c):  # LoRA: adapters on a frozen bfloat16 base, the KL reference at n
     c.rollout.log_prob_micro_batch_size_per_device = 16  # rows per scoring forward
 
 
-def _gsm8k(c):  # GSM8K from local files (--config.task.train_files=..., eval_files=...)
-    c.task.name = "gsm8k"
+def _file_task(c, name: str, reward: str, prompt_length: int, response_length: int):
+    """A task read from local files (--config.task.train_files=..., eval_files=...)."""
+    c.task.name = name
     c.warmup.sft_steps = 0  # the supervised warm-up needs the arithmetic task's answers
-    c.task.reward = "gsm8k"  # the number after "####" (else the last number), compared exactly
+    c.task.reward = reward
     c.task.eval_size = 256  # eval rows (of the eval file)
-    c.data.max_prompt_length = 256  # P: GSM8K questions fit in 256 tokens
-    c.data.max_response_length = 512  # R: room for the reasoning
+    c.data.max_prompt_length = prompt_length  # P
+    c.data.max_response_length = response_length  # R
 
 
-def _math(c):  # MATH from local files (--config.task.train_files=..., eval_files=...)
-    c.task.name = "math"
-    c.warmup.sft_steps = 0  # the supervised warm-up needs the arithmetic task's answers
-    c.task.reward = "math"  # last \boxed{...}, checked by math-verify or sympy
-    c.task.eval_size = 256  # eval rows (of the eval file)
-    c.data.max_prompt_length = 512  # P
-    c.data.max_response_length = 1024  # R
+def _gsm8k(c):  # GSM8K: questions fit in P = 256 tokens, R = 512 leaves room for the reasoning;
+    # reward: the number after "####" (else the last number), compared exactly
+    _file_task(c, "gsm8k", reward="gsm8k", prompt_length=256, response_length=512)
+
+
+def _math(c):  # MATH; reward: the last \boxed{...}, checked by math-verify or sympy
+    _file_task(c, "math", reward="math", prompt_length=512, response_length=1024)
 
 
 def _custom(c):  # your own question / answer files (--config.task.train_files=..., eval_files=...)
@@ -262,20 +247,24 @@ def _custom(c):  # your own question / answer files (--config.task.train_files=.
     # task.reward: set it to your function (path/to/reward.py:function or package.module:function)
 
 
-PRESETS = Registry("preset")  # name -> fn(cfg) changing it in place; listed in this order
-PRESETS.add("tiny", _tiny)
-PRESETS.add("drgrpo", _drgrpo)
-PRESETS.add("model=qwen2.5-0.5b", _qwen05)
-PRESETS.add("model=qwen2.5-1.5b", _qwen15)
-PRESETS.add("model=qwen2.5-7b", _qwen7)
-PRESETS.add("model=hf", _hf)
-PRESETS.add("lora", _lora)
-PRESETS.add("data=gsm8k", _gsm8k)
-PRESETS.add("data=math", _math)
-PRESETS.add("data=custom", _custom)
-PRESETS.add("mesh=gpu8", _gpu8)
-PRESETS.add("mesh=v4-8", _v4_8)
-PRESETS.add("mesh=v5p-64", _v5p_64)
+PRESETS = Registry(  # name -> fn(cfg) changing it in place; listed in this order
+    "preset",
+    {
+        "tiny": _tiny,
+        "drgrpo": _drgrpo,
+        "model=qwen2.5-0.5b": _qwen05,
+        "model=qwen2.5-1.5b": _qwen15,
+        "model=qwen2.5-7b": _qwen7,
+        "model=hf": _hf,
+        "lora": _lora,
+        "data=gsm8k": _gsm8k,
+        "data=math": _math,
+        "data=custom": _custom,
+        "mesh=gpu8": _gpu8,
+        "mesh=v4-8": _v4_8,
+        "mesh=v5p-64": _v5p_64,
+    },
+)
 
 
 def ppo_math_base(arg: str | None = None, config_file: str = "configs/ppo_math.py"):

@@ -282,6 +282,11 @@ class StepSpec:
         return self.cfg.rollout.n
 
     @property
+    def sampling_ids(self) -> dict:  # what `make_spec` took of `jrl.run.trainer.sampling_ids`
+        names = ("eos_id", "pad_id", "max_new_tokens", "stop_ids", "tool_host")
+        return {name: getattr(self, name) for name in names}
+
+    @property
     def on_policy(self) -> bool:  # the update's own forward gives the old log-probs
         return on_policy_update(self.cfg)
 
@@ -364,6 +369,16 @@ def sample_responses(
     return out, out.valid
 
 
+def sample_and_score(model_cfg, reward_fn, params, prompts: Batch, key, *, samples=1, **sampling):
+    """(rollout, response_valid [B, R], reward [B]): `samples` answers to each prompt of the batch
+    `prompts` (`sample_responses`; rows in `jnp.repeat` order, B = samples x the prompts) and
+    `reward_fn` of them, which reads the whole response (tool tokens included)."""
+    rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, samples, axis=0), prompts)
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    out, valid = sample_responses(model_cfg, params, ids, mask, key, samples=samples, **sampling)
+    return out, valid, reward_fn(rows, out.response_ids, valid, eos_id=sampling["eos_id"])
+
+
 def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False) -> Batch:
     """n samples of each prompt (one greedy answer with `greedy`), scored: `acc` is the task's
     reward, `scores` that after shaping (DAPO's overlong penalty) plus, in a multi-turn rollout,
@@ -378,12 +393,8 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         prompts["input_ids"],
         prompts["attention_mask"],
         key,
-        tool_host=spec.tool_host,
         samples=n,
-        max_new_tokens=spec.max_new_tokens,
-        eos_id=spec.eos_id,
-        pad_id=spec.pad_id,
-        stop_ids=spec.stop_ids,
+        **spec.sampling_ids,
         temperature=1.0 if greedy else cfg.rollout.temperature,
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,
@@ -669,33 +680,19 @@ def update_minibatch(spec: StepSpec, carry, xs):
     actor_key, critic_key = jax.random.split(key)  # policy and critic draw their own masks
     counts = mini_batch_counts(spec, mb)
     base = state.ref_params if lora_on(spec.cfg) else None
-    grads, metrics = buckets.accumulate_grads(
-        actor_loss,
-        state.params,
-        mb,
-        spec.micro["actor"],
-        spec,
-        counts,
-        base,
-        actor_on,
-        key=actor_key,
-        group=spec.group["actor"],
-        sizes=spec.buckets,
-    )
+
+    def grads_of(role, loss_fn, params, *args, key):  # summed over the role's micro-batches
+        k, group, sizes = spec.micro[role], spec.group[role], spec.buckets
+        return buckets.accumulate_grads(
+            loss_fn, params, mb, k, spec, counts, base, *args, key=key, group=group, sizes=sizes
+        )
+
+    grads, metrics = grads_of("actor", actor_loss, state.params, actor_on, key=actor_key)
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
     critic_grads = None
     if spec.use_critic and not spec.shared:
-        critic_grads, critic_metrics = buckets.accumulate_grads(
-            critic_loss,
-            state.critic_params,
-            mb,
-            spec.micro["critic"],
-            spec,
-            counts,
-            base,
-            key=critic_key,
-            group=spec.group["critic"],
-            sizes=spec.buckets,
+        critic_grads, critic_metrics = grads_of(
+            "critic", critic_loss, state.critic_params, key=critic_key
         )
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
         metrics.update(critic_metrics)

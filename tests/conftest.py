@@ -5,8 +5,9 @@ program compiled once (the tiny config's step, above all) is loaded from disk af
 compile still see every compile.
 
 What the tests share: `REPO` (on sys.path, so `from configs import grpo_math` works in every
-test), `tiny_config` (the tiny demo config, with changes) and `tiny_model` (the small decoder of
-the model-level tests)."""
+test), `tiny_config` (the tiny demo config, with changes), `tiny_model` (the small decoder of
+the model-level tests) and `tiny_gemma` (the same with Gemma's options), `sample` (a rollout
+of NumPy prompts) and `run_steps` (fused steps from the initial state)."""
 
 import os
 import sys
@@ -47,6 +48,29 @@ def tiny_model(vocab_size: int, **changes):
 
     fields = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
     return transformer.ModelConfig(vocab_size=vocab_size, **{**fields, **changes})
+
+
+def tiny_gemma(vocab_size: int, layer_types, **changes):
+    """`tiny_model` as a Gemma 2 / 3 decoder: every family option on (GELU-tanh MLP, RMSNorm on
+    queries and keys, RMSNorm scaling by 1 + w, scaled embeddings, sandwich norms), head_dim
+    16, one layer per `layer_types` entry (sliding ones: window 3), and `changes`."""
+    gemma = dict(
+        hidden_act="gelu_pytorch_tanh",
+        qk_norm=True,
+        norm_unit_offset=True,
+        scale_embeddings=True,
+        sandwich_norms=True,
+    )
+    layers = dict(num_layers=len(layer_types), layer_types=tuple(layer_types), sliding_window=3)
+    return tiny_model(vocab_size, head_dim=16, **{**gemma, **layers, **changes})
+
+
+def sample(generate, cfg, params, prompts, prompt_mask, key, **options):
+    """`generate` (`jrl.rollout.generate` or `jrl.multi_turn.generate`) of NumPy prompt arrays,
+    with its keyword `options` (max_new_tokens, eos_id, pad_id, ...): the sampler tests' call."""
+    import jax.numpy as jnp
+
+    return generate(cfg, params, jnp.asarray(prompts), jnp.asarray(prompt_mask), key, **options)
 
 
 def run_steps(cfg, steps: int, **step_kwargs):

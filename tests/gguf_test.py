@@ -20,6 +20,7 @@ from jrl import models
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import hf
 from jrl.models import transformer as tfm
+from conftest import tiny_gemma, tiny_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -30,37 +31,16 @@ REAL = MASK.astype(bool)
 SLIDING, FULL = tfm.SLIDING_ATTENTION, tfm.FULL_ATTENTION
 # Gemma 3 as llama.cpp reads it: every 6th layer global, local rope base 10000, queries scaled by
 # 1 / sqrt(head_dim) (the fields a GGUF file does not store).
-GEMMA3 = tfm.ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=6,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
+GEMMA3 = tiny_gemma(
+    64,
+    (SLIDING,) * 5 + (FULL,),
     intermediate_size=32,
     rope_theta=1_000_000.0,
-    hidden_act="gelu_pytorch_tanh",
-    qk_norm=True,
-    norm_unit_offset=True,
-    scale_embeddings=True,
-    sandwich_norms=True,
-    sliding_window=3,
-    layer_types=(SLIDING,) * 5 + (FULL,),
     rope_local_base_freq=10000.0,
     max_position_embeddings=64,
     hf_model_type="gemma3_text",
 )
-LLAMA = tfm.ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=48,
-    tie_word_embeddings=False,
-    max_position_embeddings=64,
-    hf_model_type="llama",
-)
+LLAMA = tiny_model(64, tie_word_embeddings=False, max_position_embeddings=64, hf_model_type="llama")
 ARCH = {"gemma3_text": gguf.MODEL_ARCH.GEMMA3, "llama": gguf.MODEL_ARCH.LLAMA}
 
 # A tiny sentencepiece vocabulary (Gemma's special ids: pad 0, eos 1, bos 2, unk 3, mask 4).

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jrl.models import transformer as tfm
-from conftest import tiny_model
+from conftest import tiny_gemma, tiny_model
 
 CFG = tiny_model(23, rope_theta=500.0, qkv_bias=True, tie_word_embeddings=False, value_head=True)
 
@@ -44,19 +44,12 @@ def test_left_padding_does_not_change_logits(params):
 
 
 # Gemma-style: every family option on, layer 0 sliding (window 3) with its own rope theta.
-GEMMA_CFG = tiny_model(
+GEMMA_CFG = tiny_gemma(
     23,
-    head_dim=16,
-    hidden_act="gelu_pytorch_tanh",
-    qk_norm=True,
-    norm_unit_offset=True,
-    scale_embeddings=True,
-    sandwich_norms=True,
+    ("sliding_attention", "full_attention"),
     query_pre_attn_scalar=24.0,
     attn_logit_softcapping=5.0,
     final_logit_softcapping=10.0,
-    sliding_window=3,
-    layer_types=("sliding_attention", "full_attention"),
     rope_theta=1e4,
     rope_local_base_freq=100.0,
     rope_scaling_type="linear",

@@ -9,10 +9,9 @@ import pytest
 
 from jrl import multi_turn, rollout, sharding
 from jrl.models import transformer as tfm
+from conftest import sample, tiny_model
 
-CFG = tfm.ModelConfig(
-    vocab_size=11, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48
-)
+CFG = tiny_model(11)
 PAD, EOS, CALL = 0, 2, 3  # CALL ends a tool call: a stop id besides EOS
 K = 4
 PROMPTS = np.array([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4], [0, 1, 3, 3, 3], [0, 0, 0, 6, 7]], np.int32)
@@ -89,20 +88,10 @@ class RuleHost:
         return turn_result(b, blocks, finished, np.zeros(b, np.float32), stats)
 
 
-def run(params, host, key, r, temperature=1.0, force_ids=None, fn=multi_turn.generate):
-    return fn(
-        CFG,
-        params,
-        jnp.asarray(PROMPTS),
-        jnp.asarray(PMASK),
-        key,
-        host=host,
-        max_new_tokens=r,
-        eos_id=EOS,
-        pad_id=PAD,
-        temperature=temperature,
-        force_ids=force_ids,
-    )
+def run(params, host, key, r, temperature=1.0, force_ids=None):
+    ids = dict(max_new_tokens=r, eos_id=EOS, pad_id=PAD)
+    options = dict(host=host, temperature=temperature, force_ids=force_ids)
+    return sample(multi_turn.generate, CFG, params, PROMPTS, PMASK, key, **ids, **options)
 
 
 def full_forward_logprobs(params, ids_BR, valid_BR, temperature):
@@ -226,34 +215,11 @@ class NeverAppends:
 
 def test_host_that_never_appends_gives_the_single_turn_rollout_bit_for_bit(params):
     host = NeverAppends()
-    kw = dict(temperature=0.9, top_k=8, top_p=0.95, samples=1)
+    kw = dict(max_new_tokens=8, eos_id=EOS, pad_id=PAD, temperature=0.9, top_k=8, top_p=0.95)
     many = jax.jit(
-        lambda key: multi_turn.generate(
-            CFG,
-            params,
-            jnp.asarray(PROMPTS),
-            jnp.asarray(PMASK),
-            key,
-            host=host,
-            max_new_tokens=8,
-            eos_id=EOS,
-            pad_id=PAD,
-            **kw,
-        )
+        lambda key: sample(multi_turn.generate, CFG, params, PROMPTS, PMASK, key, host=host, **kw)
     )
-    one = jax.jit(
-        lambda key: rollout.generate(
-            CFG,
-            params,
-            jnp.asarray(PROMPTS),
-            jnp.asarray(PMASK),
-            key,
-            max_new_tokens=8,
-            eos_id=EOS,
-            pad_id=PAD,
-            **kw,
-        )
-    )
+    one = jax.jit(lambda key: sample(rollout.generate, CFG, params, PROMPTS, PMASK, key, **kw))
     early = 0
     for seed in range(4):
         a, b = many(jax.random.key(seed)), one(jax.random.key(seed))

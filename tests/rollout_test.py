@@ -8,10 +8,11 @@ import pytest
 from jrl import rollout
 from jrl.models import transformer as tfm
 from jrl.logprobs import response_outputs
-from conftest import tiny_model
+from conftest import sample, tiny_model
 
 CFG = tiny_model(11)
 EOS, PAD, R = 2, 0, 6
+IDS = dict(max_new_tokens=R, eos_id=EOS, pad_id=PAD)
 PROMPTS = np.array([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4], [0, 1, 3, 3, 3]], np.int32)
 PMASK = (np.arange(5)[None] >= np.array([[2], [0], [1]])).astype(np.int32)
 
@@ -24,22 +25,8 @@ def params():
 
 @pytest.fixture(scope="module")
 def gen(params):
-    def run(key, greedy=False, temperature=1.0, top_k=0, top_p=1.0, forced_length=None):
-        return rollout.generate(
-            CFG,
-            params,
-            jnp.asarray(PROMPTS),
-            jnp.asarray(PMASK),
-            key,
-            max_new_tokens=R,
-            eos_id=EOS,
-            pad_id=PAD,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=greedy,
-            forced_length=forced_length,
-        )
+    def run(key, **options):  # greedy, temperature, top_k, top_p, forced_length
+        return sample(rollout.generate, CFG, params, PROMPTS, PMASK, key, **IDS, **options)
 
     return jax.jit(run, static_argnames=("greedy", "temperature", "top_k", "top_p"))
 
@@ -160,16 +147,8 @@ def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
     the same prompts repeated n times (samples=1) sample under the same key: the same tokens and
     masks, the same log-probs (float32 rounding apart)."""
     n = 4
-    run = lambda ids, mask, samples: rollout.generate(
-        CFG,
-        params,
-        jnp.asarray(ids),
-        jnp.asarray(mask),
-        jax.random.key(7),
-        max_new_tokens=R,
-        eos_id=EOS,
-        pad_id=PAD,
-        samples=samples,
+    run = lambda ids, mask, samples: sample(
+        rollout.generate, CFG, params, ids, mask, jax.random.key(7), **IDS, samples=samples
     )
     once = jax.jit(run, static_argnums=2)(PROMPTS, PMASK, n)
     rows = jax.jit(run, static_argnums=2)(np.repeat(PROMPTS, n, 0), np.repeat(PMASK, n, 0), 1)
@@ -185,16 +164,10 @@ def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
 def test_stop_ids_end_a_row_like_eos(params):
     """rollout.stop: a row ends at its first stop token (kept, mask 1), pad after; rows and
     log-probs up to there are those of the run without stop ids. eos_id=-1: only stops end."""
-    run = lambda stop_ids: rollout.generate(
-        CFG,
-        params,
-        jnp.asarray(PROMPTS),
-        jnp.asarray(PMASK),
-        jax.random.key(5),
-        max_new_tokens=R,
-        eos_id=-1,
-        pad_id=PAD,
-        stop_ids=stop_ids,
+    key = jax.random.key(5)
+    no_eos = {**IDS, "eos_id": -1}
+    run = lambda stop_ids: sample(
+        rollout.generate, CFG, params, PROMPTS, PMASK, key, **no_eos, stop_ids=stop_ids
     )
     free = run(())
     ids, logp = np.asarray(free.response_ids), np.asarray(free.log_probs)

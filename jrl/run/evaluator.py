@@ -36,45 +36,18 @@ def pass_at_k(n, c, k: int) -> np.ndarray:
     return out
 
 
-def make_sampled_scores(
-    model_cfg,
-    reward_fn,
-    *,
-    k: int,
-    eos_id: int,
-    pad_id: int,
-    max_new_tokens: int,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    stop_ids: tuple[int, ...] = (),
-    tool_host=None,
-):
+def make_sampled_scores(model_cfg, reward_fn, *, k: int, **sampling):
     """`scores(params, batch, key, temperature) -> [N, k]`: the reward of k answers sampled for
     each of the N prompts (row i * k + j of the rollout is sample j of prompt i). The temperature
-    is an argument, so one compile serves every temperature; `greedy` decodes by argmax; with a
-    `tool_host` the answers are multi-turn, with the tools (the reward reads tool tokens too)."""
+    is an argument, so one compile serves every temperature. `sampling`: the other keywords of
+    `jrl.step.sample_responses` (eos_id, pad_id, max_new_tokens, top_k, top_p, stop_ids; `greedy`
+    decodes by argmax; with a `tool_host` the answers are multi-turn, with the tools, and the
+    reward reads tool tokens too)."""
 
     def scores(params, batch, key, temperature):
-        rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, k, axis=0), batch)
-        out, valid = step_lib.sample_responses(
-            model_cfg,
-            params,
-            batch["input_ids"],
-            batch["attention_mask"],
-            key,
-            tool_host=tool_host,
-            samples=k,
-            max_new_tokens=max_new_tokens,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=greedy,
-            stop_ids=tuple(stop_ids),
+        _, _, s = step_lib.sample_and_score(
+            model_cfg, reward_fn, params, batch, key, samples=k, temperature=temperature, **sampling
         )
-        s = reward_fn(rows, out.response_ids, valid, eos_id=eos_id)
         return s.reshape(-1, k)
 
     return scores

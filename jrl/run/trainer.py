@@ -487,35 +487,21 @@ def make_eval(
     model_cfg: transformer.ModelConfig,
     reward_fn: Callable,
     *,
-    eos_id: int,
-    pad_id: int,
-    max_new_tokens: int,
     num_samples: int = 0,
-    stop_ids: tuple[int, ...] = (),
-    tool_host=None,
+    **ids,
 ):
-    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding
-    (multi-turn, with the tools, given a `tool_host`: the reward reads the whole response and the
-    length counts tool tokens); with `num_samples` > 0 also the first `num_samples` rows' answers
-    to look at: "samples/response_ids" and "samples/response_mask" [num_samples, R] (the mask
-    covering tool tokens too), "samples/score" [num_samples] (jrl.samples splits them off the
-    metrics)."""
+    """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
+    `ids`: `sampling_ids`' (eos_id, pad_id, max_new_tokens, stop_ids and, multi-turn, the
+    `tool_host`: the reward reads the whole response and the length counts tool tokens). With
+    `num_samples` > 0 also the first `num_samples` rows' answers to look at:
+    "samples/response_ids" and "samples/response_mask" [num_samples, R] (the mask covering tool
+    tokens too), "samples/score" [num_samples] (jrl.samples splits them off the metrics)."""
 
     def evaluate(params, batch: dict):
-        out, valid = step_lib.sample_responses(
-            model_cfg,
-            params,
-            batch["input_ids"],
-            batch["attention_mask"],
-            jax.random.key(0),
-            tool_host=tool_host,
-            max_new_tokens=max_new_tokens,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            greedy=True,
-            stop_ids=tuple(stop_ids),
+        key = jax.random.key(0)
+        out, valid, scores = step_lib.sample_and_score(
+            model_cfg, reward_fn, params, batch, key, greedy=True, **ids
         )
-        scores = reward_fn(batch, out.response_ids, valid, eos_id=eos_id)
         metrics = {
             "val/accuracy": jnp.mean(scores),
             "val/response_length": jnp.mean(jnp.sum(valid, -1).astype(jnp.float32)),
