@@ -254,6 +254,7 @@ def run(
         **extra,
         "micro_batch": cfg.actor.ppo_micro_batch_size_per_device,
         "compile_s": round(compile_s, 3),
+        "compiles": step._cache_size(),  # of the fused step over the run: 1 = no retrace
         "step_s_median": round(step_s, 5),
         "generated_tokens_per_s": round(generated / step_s, 1),
         "total_tokens_per_s": round(total / step_s, 1),
