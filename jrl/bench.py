@@ -12,18 +12,22 @@ step, no reference model):
   W3: W2's model and rows with a 512-token response budget; every response ends at EOS at a
       length of its own, fixed per row (a log-normal draw of seed 0: mean 125, median 86, 2 of
       128 rows at 512; `jrl.run.benchmark.response_lengths`), forced in the rollout
-      (`rollout.generate`'s `forced_length`); `--fixed_length`: every response at 512.
+      (`rollout.generate`'s `forced_length`); `--fixed_length`: every response at 512. Its
+      config is what such lengths call for: response buckets (64, 128, 256) with the update's
+      rows ordered by length (`model.shared_prompt_forward` off), the decode compacted
+      (`rollout.compact_decode`, on by default); `--fixed_length` runs the same config.
 In W1 and W2 every response is exactly the stated number of new tokens (EOS does not stop
 decoding); in W3 each row's length is fixed: the work per step does not depend on what the random
 model samples.
 
-Reported: compile time of the fused step (with its first step), steady-state seconds per step
-(median of `--steps` steps after compile, the jitted step called as the trainer calls it), real
-tokens/s (response tokens up to EOS, and prompt + response), and the split of a step into
-rollout + reward / log-probs + advantages / update, timed by jitting the same three phase functions
-(`jrl.step.make_phases`) separately. W3 also reports the share of the positions each phase
-computes that hold real tokens (`real_token_share`: decode, scoring, update; scoring is null when
-the step runs no scoring forward, as in W3's on-policy GRPO).
+Reported: compile time of the fused step (with its first step) and how many times it compiled
+(`compiles`: 1, no retrace), steady-state seconds per step (median of `--steps` steps after
+compile, the jitted step called as the trainer calls it), real tokens/s (response tokens up to EOS,
+and prompt + response), and the split of a step into rollout + reward / log-probs + advantages /
+update, timed by jitting the same three phase functions (`jrl.step.make_phases`) separately. W3
+also reports the share of the positions each phase computes that hold real tokens
+(`real_token_share`: decode, scoring, update; scoring is null when the step runs no scoring
+forward, as in W3's on-policy GRPO).
 
 `--memory` compiles (never runs) the fused step of a config on the current devices and its mesh
 with abstract inputs (no parameter is allocated) and reports XLA's compile-time memory analysis per

@@ -137,6 +137,11 @@ def base_config() -> ml_collections.ConfigDict:
     # more tokens that end a response as EOS does (kept in it, as EOS is): one-token strings or
     # token ids, e.g. ("\n",) to stop at the end of a line
     c.rollout.stop = ()
+    # one-turn rollouts: the decode runs in stages of B, B/2, B/4, B/8 rows, the live rows gathered
+    # into the smaller batch once no more are live than it holds, so a batch whose responses end
+    # early stops paying for finished rows (the same tokens and log-probs; docs/design.md#rollout)
+    c.rollout.compact_decode = True
+    c.rollout.compact_min_rows = 16  # no decode stage of fewer rows (so no stage when B < 32)
     # rows per device per old / reference log-prob and value forward; 0: all rows at once
     c.rollout.log_prob_micro_batch_size_per_device = 0
 
@@ -465,6 +470,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     )
     _check(0 < cfg.rollout.top_p <= 1, f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1].")
     _check(cfg.rollout.top_k >= 0, f"rollout.top_k={cfg.rollout.top_k} must be >= 0 (0: off).")
+    _check(
+        isinstance(cfg.rollout.compact_min_rows, int) and cfg.rollout.compact_min_rows >= 1,
+        f"rollout.compact_min_rows={cfg.rollout.compact_min_rows!r} must be an int >= 1 (the "
+        "smallest decode stage, e.g. 16).",
+    )
     _check(
         isinstance(cfg.rollout.stop, (tuple, list))
         and all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in cfg.rollout.stop),

@@ -99,6 +99,15 @@ def context_spec(logical: PartitionSpec, shape, rules: Rules = DEFAULT_RULES):
     return fit(mesh, logical_to_mesh(logical, rules), shape)
 
 
+def context_shards(logical: str, rules: Rules = DEFAULT_RULES) -> int:
+    """How many ways the mesh in context (`jax.set_mesh`) splits logical axis `logical` at most
+    (the product of its rule's mesh axes); 1 without a mesh in context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in mesh_axes(dict(rules)[logical]))
+
+
 def constrain(x, logical: PartitionSpec, rules: Rules = DEFAULT_RULES):
     """Inside a jitted function traced under `jax.set_mesh(mesh)`: pins `x` (an array or a tree
     of same-rank arrays, e.g. the KV cache) to its logical axes' mesh sharding, each dim keeping
@@ -129,6 +138,7 @@ __all__ = [
     "DEFAULT_RULES",
     "Rules",
     "constrain",
+    "context_shards",
     "context_spec",
     "fit",
     "logical_to_mesh",

@@ -361,6 +361,7 @@ def sample_responses(
         out = rollout.generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, **sampling)
         return out, out.response_mask
     sampling.pop("stop_ids", None)  # a turn ends at the host's stop ids (rollout.stop is refused)
+    sampling.pop("compact_min_rows", None)  # rollout.compact_decode is one-turn only
     if sampling.pop("forced_length", None) is not None:
         raise ValueError("forced_length (the benchmark's fixed lengths) is one-turn only")
     out = multi_turn.generate(
@@ -400,6 +401,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         top_p=cfg.rollout.top_p,
         greedy=greedy,
         forced_length=None if greedy else spec.forced_length,
+        compact_min_rows=cfg.rollout.compact_min_rows if cfg.rollout.compact_decode else 0,
     )
     exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
     multi = spec.tool_host is not None

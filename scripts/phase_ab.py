@@ -3,6 +3,8 @@
     python scripts/phase_ab.py --workload=W2 --micro_batches=0,16 [--rounds=5]
     python scripts/phase_ab.py --workload=W2 --prefill
     python scripts/phase_ab.py --workload=W2 --shared_prompt
+    python scripts/phase_ab.py --workload=W3 --fixed_length --rounds=3 --reps=1
+    python scripts/phase_ab.py --workload=W2 --compact_decode
 
 The machine's speed drifts by 10-30% between processes on a shared CPU, more than most single
 changes buy, so the variants are compiled in one process and timed in alternating rounds (A B A B
@@ -15,6 +17,10 @@ changes buy, so the variants are compiled in one process and timed in alternatin
 it also checks that both sample the same tokens.
 --shared_prompt: the fused step and the update phase with `model.shared_prompt_forward` on
 (each group's prompt forwarded once) and off.
+--fixed_length: the fused step of a workload with forced lengths (W3) against the same config
+with every response at the budget (`python -m jrl.bench --fixed_length`); it also prints how many
+times each step compiled.
+--compact_decode: the fused step and the rollout phase with `rollout.compact_decode` on and off.
 """
 
 from __future__ import annotations
@@ -83,6 +89,31 @@ def shared_prompt_variants(name: str) -> dict:
     return variants
 
 
+def fixed_length_variants(name: str) -> dict:
+    """The workload's fused step with its own response lengths and with all at the budget."""
+    variants = {}
+    for fixed in (False, True):
+        cfg, model_cfg, reward_fn, ids, state, batch = benchmark.setup(name, fixed_length=fixed)
+        step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids))
+        variants[f"step fixed_length={fixed}"] = lambda f=step, s=state, b=batch: f(s, b)
+        variants[f"step fixed_length={fixed}"].jitted = step
+    return variants
+
+
+def compact_decode_variants(name: str) -> dict:
+    """The workload's fused step and rollout phase with rollout.compact_decode on and off."""
+    cfg, model_cfg, reward_fn, ids, state, batch = benchmark.setup(name)
+    key, variants = jax.random.key(1), {}
+    for on in (True, False):
+        cfg_on = cfg.copy_and_resolve_references()
+        cfg_on.rollout.compact_decode = on
+        step = jax.jit(step_lib.make_step(cfg_on, model_cfg, reward_fn, **ids))
+        generate = jax.jit(step_lib.make_phases(cfg_on, model_cfg, reward_fn, **ids)[0])
+        variants[f"step compact={on}"] = lambda f=step: f(state, batch)
+        variants[f"rollout compact={on}"] = lambda f=generate: f(state, batch, key)
+    return variants
+
+
 def alternate(variants: dict, rounds: int, reps: int) -> dict:
     """Median seconds of each variant over `rounds` alternating rounds of `reps` calls."""
     for f in variants.values():
@@ -94,6 +125,8 @@ def alternate(variants: dict, rounds: int, reps: int) -> dict:
                 t = time.perf_counter()
                 jax.block_until_ready(f())
                 times[k].append(time.perf_counter() - t)
+    for k, v in times.items():
+        print(f"{k:<24} each call: {' '.join(f'{x:.3f}' for x in v)} s")
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -105,6 +138,12 @@ def main():
     parser.add_argument(
         "--shared_prompt", action="store_true", help="model.shared_prompt_forward on / off"
     )
+    parser.add_argument(
+        "--fixed_length", action="store_true", help="W3 against W3 with every response at R"
+    )
+    parser.add_argument(
+        "--compact_decode", action="store_true", help="rollout.compact_decode on / off"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="calls per variant per round")
     args = parser.parse_args()
@@ -112,11 +151,18 @@ def main():
         variants = prefill_variants(args.workload)
     elif args.shared_prompt:
         variants = shared_prompt_variants(args.workload)
+    elif args.fixed_length:
+        variants = fixed_length_variants(args.workload)
+    elif args.compact_decode:
+        variants = compact_decode_variants(args.workload)
     else:
         micro = [int(m) for m in args.micro_batches.split(",")]
         variants = update_variants(args.workload, micro)
     for k, s in alternate(variants, args.rounds, args.reps).items():
         print(f"{args.workload} {k:<20} median {s:.4f} s")
+    for k, f in variants.items():
+        if hasattr(f, "jitted"):
+            print(f"{args.workload} {k:<20} compiled {f.jitted._cache_size()} time(s)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,33 @@ def test_token_shares_count_real_positions_per_phase():
         assert shares["scoring"] is None  # on-policy GRPO: no scoring forward
 
 
+def test_decode_row_steps_follow_the_compacted_stages():
+    """Hand-counted, lengths 1, 1, 1, 1, 2, 2, 3, 8 under R = 8: stages 8, 4, 2 run 8 rows at
+    t = 0 (8 live), 4 at t = 1 (4 live), 2 from t = 2 (2 live, then 1) to t = 7: 8 + 4 + 6 x 2;
+    without compaction 8 rows x 8 steps."""
+    lengths = np.array([1, 1, 1, 1, 2, 2, 3, 8])
+    assert benchmark.decode_row_steps(lengths, 8, (8, 4, 2)) == 24
+    assert benchmark.decode_row_steps(lengths, 8, (8,)) == 64
+    # longest 2 tokens: 6 live at t = 0 (8 rows), 2 at t = 1 (the 4-row stage is skipped)
+    assert benchmark.decode_row_steps(lengths[:6], 8, (8, 4, 2)) == 8 + 2
+
+
+def test_token_shares_count_bucketed_micro_batches():
+    """The counts of test_token_shares_count_real_positions_per_phase, with response buckets
+    (2, 4) and 2 micro-batches of 2 rows, rows ordered by length: ends 2, 2 (width 2) and 4, 8
+    (width 8); prompts once per row: (2 x 5 + 16) / (4 x 4 + 2 x 2 + 2 x 8)."""
+    cfg = benchmark.workload_config("W1")
+    cfg.rollout.n = 2
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 2
+    cfg.data.max_response_length = 8
+    cfg.actor.ppo_micro_batch_size_per_device = 2
+    cfg.model.shared_prompt_forward = False
+    cfg.model.response_buckets = (2, 4)
+    spec = step_lib.make_spec(cfg, tiny_model(16), None, eos_id=1, pad_id=0, max_new_tokens=8)
+    shares = benchmark.token_shares(spec, np.array([[0, 1, 1, 1], [0, 0, 1, 1]]), [2, 4, 8, 2])
+    assert shares["update"] == round(26 / 36, 4)
+
+
 def test_the_step_forces_the_workload_lengths():
     """The spec's `forced_length` reaches the rollout: W1's generate phase with lengths 1..16
     (EOS real, so the random model would stop rows at will) returns exactly those lengths, and

@@ -13,6 +13,7 @@ import numpy as np
 
 from jrl import config as config_lib
 from jrl import logprobs
+from jrl import rollout
 from jrl import sharding
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
@@ -43,7 +44,15 @@ WORKLOADS = {
     "W2": _W2,
     # W2's model and rows with a 512-token budget; each response ends at EOS at a fixed length
     # (`response_lengths`): long-tailed, mean ~R/4, as in reasoning RL.
-    "W3": {**_W2, "new_tokens": 512, "lengths": dict(sigma=1.0, seed=0)},
+    "W3": {
+        **_W2,
+        "new_tokens": 512,
+        "lengths": dict(sigma=1.0, seed=0),
+        # what a user runs for such lengths: the update's micro-batches trimmed to buckets, rows
+        # (not GRPO groups: the shared-prompt forward saves nothing at 7-token prompts) ordered
+        # by length into them; the decode compacted (rollout.compact_decode, on by default)
+        "config": {"model.response_buckets": (64, 128, 256), "model.shared_prompt_forward": False},
+    },
 }
 
 
@@ -65,20 +74,46 @@ def response_lengths(name: str, fixed_length: bool = False) -> np.ndarray | None
     return np.clip(np.round(drawn), 1, r).astype(np.int32)
 
 
+def decode_row_steps(lengths, r: int, stages: tuple[int, ...]) -> int:
+    """Rows x steps the decode computes for responses of `lengths` [B] (EOS included) under a
+    budget of `r` tokens: each step t runs the rows of its stage (`rollout.decode_stages`; (B,):
+    no compaction), from token 0 until the last row's last token, as `rollout.generate` does (a
+    stage runs while more rows are live than the next one holds)."""
+    lengths = np.asarray(lengths)
+    total, stage = 0, 0
+    for t in range(min(r, int(lengths.max()))):
+        live = int(np.sum(lengths > t))
+        while stage + 1 < len(stages) and live <= stages[stage + 1]:
+            stage += 1
+        total += stages[stage]
+    return total
+
+
 def token_shares(spec: step_lib.StepSpec, prompt_mask, lengths) -> dict:
     """Share of the positions each phase computes that hold real tokens (prompt tokens, response
     tokens up to and including EOS), for responses of `lengths` [B] and prompts `prompt_mask`
-    [B_p, P]. decode: B rows x the longest response's steps; scoring and update: each forward's
-    [B, P + R] positions (with a shared-prompt forward, each prompt once: B_p x P + B x R).
-    scoring is None when it runs no forward (an on-policy update without reference or critic)."""
+    [B_p, P]. decode: the rows each step runs (`decode_row_steps`); scoring and update: each
+    forward's prompt positions (with a shared-prompt forward each prompt once: B_p x P, else
+    B x P) and response positions, each micro-batch at the response length it is trimmed to
+    (`model.response_buckets`, rows ordered by length as `jrl.buckets.length_order` does; one
+    mini-batch per epoch, as in the workloads). scoring is None when it runs no forward (an
+    on-policy update without reference or critic)."""
     prompt_mask, lengths = np.asarray(prompt_mask), np.asarray(lengths)
     b, r, (b_p, p) = len(lengths), spec.max_new_tokens, prompt_mask.shape
     n, real_response = b // b_p, int(lengths.sum())
+    cfg = spec.cfg.rollout
+    stages = rollout.decode_stages(b, 1, cfg.compact_min_rows) if cfg.compact_decode else (b,)
 
     def forward_share(name):
         grouped = spec.group[name] > 1 and logprobs.grouped_forward_suits(spec.model_cfg, p + r)
         copies = 1 if grouped else n
-        return (copies * int(prompt_mask.sum()) + real_response) / (copies * b_p * p + b * r)
+        group, sizes = spec.group[name], np.asarray(spec.buckets or (r,))
+        block_ends = np.sort(lengths.reshape(-1, group).max(axis=1))
+        response = sum(
+            len(mb) * group * int(sizes[np.searchsorted(sizes, mb.max())])
+            for mb in np.array_split(block_ends, spec.micro[name])
+        )
+        return (copies * int(prompt_mask.sum()) + real_response) / (copies * b_p * p + response)
 
     scoring_forwards = (
         (not (spec.on_policy or step_lib.bypass_mode(spec.cfg)))
@@ -86,7 +121,7 @@ def token_shares(spec: step_lib.StepSpec, prompt_mask, lengths) -> dict:
         + (spec.use_critic and not spec.shared)
     )
     return {
-        "decode": round(real_response / (b * int(lengths.max())), 4),
+        "decode": round(real_response / decode_row_steps(lengths, r, stages), 4),
         "scoring": round(forward_share("log_prob"), 4) if scoring_forwards else None,
         "update": round(forward_share("actor"), 4),
     }
@@ -107,6 +142,9 @@ def workload_config(name: str, micro_batch: int | None = None):
     if micro_batch is None:
         micro_batch = w.get("micro_batch", 0)
     cfg.actor.ppo_micro_batch_size_per_device = micro_batch  # 0: the whole mini-batch at once
+    for field, value in w.get("config", {}).items():
+        section, name = field.split(".")
+        cfg[section][name] = value
     config_lib.validate(cfg)
     return cfg
 
@@ -213,6 +251,7 @@ def run(
         **extra,
         "micro_batch": cfg.actor.ppo_micro_batch_size_per_device,
         "compile_s": round(compile_s, 3),
+        "compiles": step._cache_size(),  # of the fused step over the run: 1 = no retrace
         "step_s_median": round(step_s, 5),
         "generated_tokens_per_s": round(generated / step_s, 1),
         "total_tokens_per_s": round(total / step_s, 1),

@@ -68,6 +68,8 @@ SAFE_FIELDS = (
     "model.response_buckets",
     "*.ppo_micro_batch_size_per_device",
     "rollout.log_prob_micro_batch_size_per_device",
+    "rollout.compact_decode",
+    "rollout.compact_min_rows",
     "task.math_workers",
     "model.hf_path",
     "tokenizer",
