@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jrl import partitioning, rollout
+from jrl import rollout
 from jrl.models import transformer
 
 
@@ -164,16 +164,13 @@ def generate(
         raise ValueError(f"multi-turn host: stop_ids {stop_ids} lack eos_id {eos_id}; add it.")
     if k < 1:
         raise ValueError(f"multi-turn host: block_size is {k}; it must be at least 1.")
-    model = transformer.Transformer(model_cfg)
-    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
-    variables = transformer.variables(params)
+    model, variables, pre, last_logits = rollout.prefilled(
+        model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples, max_new_tokens
+    )
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     slots = jnp.arange(p + r)
     rows = jnp.arange(b)
-    pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
-    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
-    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
     first_pos_B = pre.first_position
     uniforms_BR = jax.random.uniform(key, (r, b)).T  # rollout.generate's draws, per row
     call_host, result_shapes = _host_call(host, b, k, s)
@@ -215,7 +212,7 @@ def generate(
         waiting = live & ~full & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
         c = c._replace(
             logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head),
-            cache=pin(out.cache),
+            cache=rollout.pin(out.cache),
             length=length,
             done=c.done | full,
             ids=put(c.ids, c.length, token[:, None], one),
@@ -234,7 +231,7 @@ def generate(
             out = forward(block, c.length, n > 0, cache)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)
             new = transformer.lm_logits(model_cfg, last[:, 0], out.head)
-            return jnp.where((n > 0)[:, None], new, logits), pin(out.cache)
+            return jnp.where((n > 0)[:, None], new, logits), rollout.pin(out.cache)
 
         logits, cache = _when(jnp.any(n > 0), lambda lc: append(*lc), (c.logits, c.cache))
         length = c.length + n
@@ -260,7 +257,7 @@ def generate(
     zeros_b = jnp.zeros((b,), jnp.int32)
     start = _Loop(
         logits=last_logits,
-        cache=pin(pre.cache),
+        cache=rollout.pin(pre.cache),
         length=zeros_b,
         done=jnp.zeros((b,), bool),
         turn_start=zeros_b,

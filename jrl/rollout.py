@@ -135,6 +135,24 @@ def _compact(rows: _Rows, size: int) -> _Rows:
     )
 
 
+def pin(cache):
+    """Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the tensor
+    axis, as the attention weights do; the decode loops keep that layout."""
+    return partitioning.constrain(cache, partitioning.CACHE_AXES)
+
+
+def prefilled(model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples: int, r: int):
+    """A decode's start: (model, variables, prefill, logits of each row's first response token).
+    The prefill computes the keys / values of every prompt token once per prompt and copies them
+    into its `samples` rows' cache with the `r` response slots appended."""
+    model = transformer.Transformer(model_cfg)
+    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
+    variables = transformer.variables(params)
+    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
+    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
+    return model, variables, pre, last_logits
+
+
 def generate(
     model_cfg: transformer.ModelConfig,
     params,
@@ -172,19 +190,12 @@ def generate(
     row b never samples EOS before token `forced_length[b] - 1` and emits EOS there, so its
     response is exactly that long whatever the model samples. Its `log_probs` are the policy's
     (unmasked) log-probs of the tokens written. None: plain sampling."""
-    model = transformer.Transformer(model_cfg)
-    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
-    variables = transformer.variables(params)
+    model, variables, pre, last_logits = prefilled(
+        model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples, max_new_tokens
+    )
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     slots = jnp.arange(p + r)
-    # Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the
-    # tensor axis, as the attention weights do; the decode loop keeps that layout.
-    pin = lambda c: partitioning.constrain(c, partitioning.CACHE_AXES)
-    # Prefill: keys / values of every prompt token, once per prompt, copied into its rows' cache
-    # with the R response slots appended; logits only at the last prompt token.
-    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
-    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
 
     uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
     if forced_length is not None:
