@@ -1,5 +1,6 @@
 """Long runs: a resumed run continues the same trajectory (bitwise on CPU), also after kill -9 and
-SIGTERM, and a truncated newest checkpoint falls back to the one before."""
+SIGTERM, with multi-turn tool calls on, and a truncated newest checkpoint falls back to the one
+before."""
 
 import json
 import os
@@ -12,13 +13,20 @@ import pytest
 
 from conftest import REPO
 
-# Tiny run, 6 steps, a checkpoint every step; no warm-up so each start is quick.
+# Tiny run, 6 steps, a checkpoint every step; no warm-up so each start is quick. Multi-turn
+# rollouts with the calc tool (compact format): the random model's `>` pauses rows and the host
+# answers them (mostly with errors: a `>` without a `<`), so resuming is checked with tools on;
+# one-turn runs are killed and resumed at random moments in tests/kill_test.py.
 ARGS = [
     "--config=configs/grpo_math.py:tiny",
     "--config.total_steps=6",
     "--config.warmup.sft_steps=0",
     "--config.checkpoint.every_steps=1",
     "--config.checkpoint.async_save=False",
+    "--config.data.max_response_length=16",
+    "--config.rollout.multi_turn.enable=True",
+    "--config.rollout.multi_turn.format=compact",
+    "--config.rollout.multi_turn.max_tool_response_length=4",
 ]
 
 
@@ -75,10 +83,11 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=240):
 def reference_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     _train(workdir)
+    assert sum(row.get("tool_call_counts/mean", 0) for row in _rows(workdir)) > 0  # tools ran
     return workdir
 
 
-def test_kill_9_then_resume_reaches_the_same_metrics(reference_run, tmp_path):
+def test_kill_9_then_resume_with_tools_on_reaches_the_same_metrics(reference_run, tmp_path):
     proc = _train(tmp_path, wait=False)
     _wait_for_checkpoint(tmp_path, 3, proc)
     proc.send_signal(signal.SIGKILL)
@@ -86,33 +95,6 @@ def test_kill_9_then_resume_reaches_the_same_metrics(reference_run, tmp_path):
     assert len(_rows(tmp_path)) < 7  # it really died before the end
     _train(tmp_path)
     want, got = _rows(reference_run), _rows(tmp_path)
-    assert [r["step"] for r in got] == list(range(7))
-    for a, b in zip(want, got):
-        assert _comparable(a) == _comparable(b), a["step"]
-
-
-# Multi-turn rollouts with the calc tool (compact format): the random model's `>` pauses rows
-# and the host answers them (mostly with errors: a `>` without a `<`).
-MULTI_TURN = [
-    "--config.data.max_response_length=16",
-    "--config.rollout.multi_turn.enable=True",
-    "--config.rollout.multi_turn.format=compact",
-    "--config.rollout.multi_turn.max_tool_response_length=4",
-]
-
-
-def test_kill_9_then_resume_with_tools_on_reaches_the_same_metrics(tmp_path_factory):
-    reference = tmp_path_factory.mktemp("uninterrupted_tools")
-    _train(reference, *MULTI_TURN)
-    assert sum(row.get("tool_call_counts/mean", 0) for row in _rows(reference)) > 0
-    workdir = tmp_path_factory.mktemp("killed_tools")
-    proc = _train(workdir, *MULTI_TURN, wait=False)
-    _wait_for_checkpoint(workdir, 3, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(_rows(workdir)) < 7
-    _train(workdir, *MULTI_TURN)
-    want, got = _rows(reference), _rows(workdir)
     assert [r["step"] for r in got] == list(range(7))
     for a, b in zip(want, got):
         assert _comparable(a) == _comparable(b), a["step"]
