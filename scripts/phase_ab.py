@@ -74,16 +74,26 @@ def prefill_variants(name: str) -> dict:
     return {"prefill once": lambda: once(params), "prefill every row": lambda: every(params)}
 
 
+def _switched(cfg, model_cfg, reward_fn, ids, section: str, field: str, phase: int) -> dict:
+    """{on: (fused step, `make_phases`' phase number `phase`)}, jitted, with the config switch
+    `section.field` on and off."""
+    out = {}
+    for on in (True, False):
+        cfg_on = cfg.copy_and_resolve_references()
+        setattr(cfg_on[section], field, on)
+        out[on] = (
+            jax.jit(step_lib.make_step(cfg_on, model_cfg, reward_fn, **ids)),
+            jax.jit(step_lib.make_phases(cfg_on, model_cfg, reward_fn, **ids)[phase]),
+        )
+    return out
+
+
 def shared_prompt_variants(name: str) -> dict:
     """The workload's fused step and update phase with model.shared_prompt_forward on and off."""
     w, key, scored = _scored(name)
-    cfg, model_cfg, reward_fn, ids, state, batch = w
+    state, batch = w[4:]
     variants = {}
-    for on in (True, False):
-        cfg_on = cfg.copy_and_resolve_references()
-        cfg_on.model.shared_prompt_forward = on
-        step = jax.jit(step_lib.make_step(cfg_on, model_cfg, reward_fn, **ids))
-        update = jax.jit(step_lib.make_phases(cfg_on, model_cfg, reward_fn, **ids)[2])
+    for on, (step, update) in _switched(*w[:4], "model", "shared_prompt_forward", 2).items():
         variants[f"step shared={on}"] = lambda f=step: f(state, batch)
         variants[f"update shared={on}"] = lambda f=update: f(state, scored, key)
     return variants
@@ -104,11 +114,9 @@ def compact_decode_variants(name: str) -> dict:
     """The workload's fused step and rollout phase with rollout.compact_decode on and off."""
     cfg, model_cfg, reward_fn, ids, state, batch = benchmark.setup(name)
     key, variants = jax.random.key(1), {}
-    for on in (True, False):
-        cfg_on = cfg.copy_and_resolve_references()
-        cfg_on.rollout.compact_decode = on
-        step = jax.jit(step_lib.make_step(cfg_on, model_cfg, reward_fn, **ids))
-        generate = jax.jit(step_lib.make_phases(cfg_on, model_cfg, reward_fn, **ids)[0])
+    for on, (step, generate) in _switched(
+        cfg, model_cfg, reward_fn, ids, "rollout", "compact_decode", 0
+    ).items():
         variants[f"step compact={on}"] = lambda f=step: f(state, batch)
         variants[f"rollout compact={on}"] = lambda f=generate: f(state, batch, key)
     return variants
