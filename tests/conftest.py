@@ -92,3 +92,18 @@ def run_steps(cfg, steps: int, **step_kwargs):
         state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))
         metrics.append(jax.device_get(m))
     return state, metrics
+
+
+def assert_same_run(got, want, rtol: float):
+    """Two runs' (params, [metrics per step]) equal within rtol (atol 1e-6): every metric of
+    `want` at every step, and every parameter."""
+    import jax
+    import numpy as np
+
+    (got_params, got_metrics), (want_params, want_metrics) = got, want
+    for g, w in zip(got_metrics, want_metrics):
+        for k in w:
+            np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=1e-6, err_msg=k)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6), got_params, want_params
+    )
