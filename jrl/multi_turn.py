@@ -133,31 +133,22 @@ def _when(pred, fn, operand):
     return jax.lax.while_loop(lambda c: c[0], lambda c: (False, fn(c[1])), (pred, operand))[1]
 
 
-def generate(
-    model_cfg: transformer.ModelConfig,
-    params,
-    prompt_ids_BP,
-    prompt_mask_BP,
-    key,
-    *,
-    host: Host,
-    max_new_tokens: int,
-    eos_id: int,
-    pad_id: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    samples: int = 1,
-    force_ids=None,
-) -> MultiTurnRollout:
+def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Host, **options):
     """Samples up to `max_new_tokens` response slots per row, model and tool tokens together,
     calling `host` whenever rows stop at one of `host.stop_ids`; see the module docstring.
+    Returns a `MultiTurnRollout`.
 
-    Prompts, `samples` and the sampling options are `jrl.rollout.generate`'s; model token t of
-    row b is drawn with the same uniform as there (the one of response slot t). `force_ids`
-    ([B, R] int32 or None, for scripted tests): where >= 0, the model token at that response
-    slot is this id instead of a draw; its log-prob is still the policy's."""
+    The arguments and `options` are `jrl.rollout.generate`'s: max_new_tokens, eos_id and pad_id
+    (required), samples (1) and the sampling options (temperature, top_k, top_p, greedy:
+    `rollout.sample_token`'s); model token t of row b is drawn with the same uniform as there
+    (the one of response slot t). One more option, `force_ids` ([B, R] int32 or None, for
+    scripted tests): where >= 0, the model token at that response slot is this id instead of a
+    draw; its log-prob is still the policy's."""
+    max_new_tokens, eos_id, pad_id = (
+        options.pop(k) for k in ("max_new_tokens", "eos_id", "pad_id")
+    )
+    samples, force_ids = options.pop("samples", 1), options.pop("force_ids", None)
+    sampling = options  # temperature, top_k, top_p, greedy
     stop_ids = tuple(int(i) for i in host.stop_ids)
     k, s = int(host.block_size), len(tuple(getattr(host, "stat_names", ())))
     if eos_id not in stop_ids:
@@ -197,13 +188,11 @@ def generate(
         live = ~c.done
         slot = jnp.minimum(c.length, r - 1)[:, None]
         u = jnp.take_along_axis(uniforms_BR, slot, 1)[:, 0]
-        token, logp = rollout.sample_token(
-            u, c.logits, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
-        )
+        token, logp = rollout.sample_token(u, c.logits, **sampling)
         if force_ids is not None:
             forced = jnp.take_along_axis(jnp.asarray(force_ids, jnp.int32), slot, 1)[:, 0]
             token = jnp.where(forced >= 0, forced, token)
-            logp = jax.nn.log_softmax(c.logits / temperature)
+            logp = jax.nn.log_softmax(c.logits / sampling.get("temperature", 1.0))
             logp = jnp.take_along_axis(logp, token[:, None], 1)[:, 0]
         one = live.astype(jnp.int32)
         out = forward(token[:, None], c.length, live, c.cache)

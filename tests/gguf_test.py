@@ -179,6 +179,17 @@ def test_gguf_tokenizer_from_metadata(tmp_path):
     assert tok.decode([10, 8, 6, 9, 5, 14]) == "12+1=\nab"
 
 
+def test_gguf_tokenizer_without_transformers_builders_is_one_line(tmp_path, monkeypatch):
+    """A transformers whose GGUF tokenizer module lacks the builders (5.17 keeps them in
+    integrations.ggml) gets the one-line ValueError that names the fix, not an AttributeError."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    _, path = _write_checkpoints(GEMMA3, tmp_path)
+    monkeypatch.delattr(gguf_tokenizer_mapping, "GGUF_TOKENIZER_MAPPING")
+    with pytest.raises(ValueError, match=r"lacks the GGUF tokenizer builders.*--config.tokenizer="):
+        tokenizer_lib.get_tokenizer(str(path))
+
+
 def test_gguf_errors_are_one_line(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ValueError, match="does not exist"):

@@ -323,17 +323,27 @@ def load_pretrained(
         return cfg, hf.load_tensors(cfg, source, path, dtype, shardings, place)
 
 
-def load_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
-    """The tokenizer the file's metadata describes, built with transformers' GGUF tokenizer
-    builders (without its torch-based file reader)."""
+def _tokenizer_builders():
+    """transformers' GGUF tokenizer builders (`GGUF_TOKENIZER_MAPPING`, `convert_gguf_tokenizer`
+    in `transformers.integrations.gguf.gguf_tokenizer_mapping`); a one-line ValueError where
+    this transformers has them elsewhere or not at all."""
     try:
         from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
     except ImportError:
+        mapping = None
+    if not all(hasattr(mapping, n) for n in ("GGUF_TOKENIZER_MAPPING", "convert_gguf_tokenizer")):
         raise ValueError(
-            f"transformers {transformers.__version__} has no GGUF tokenizer builders "
+            f"transformers {transformers.__version__} lacks the GGUF tokenizer builders jrl uses "
             "(transformers.integrations.gguf.gguf_tokenizer_mapping): pip install -U "
             "transformers, or pass --config.tokenizer=DIR (a tokenizer saved by transformers)."
-        ) from None
+        )
+    return mapping
+
+
+def load_tokenizer(path) -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer the file's metadata describes, built with transformers' GGUF tokenizer
+    builders (without its torch-based file reader)."""
+    mapping = _tokenizer_builders()
     path = os.fspath(path)
     meta = open_file(path).metadata
     arch = meta.get("general.architecture")
