@@ -334,7 +334,7 @@ def _tokenizer_builders():
     if not all(hasattr(mapping, n) for n in ("GGUF_TOKENIZER_MAPPING", "convert_gguf_tokenizer")):
         raise ValueError(
             f"transformers {transformers.__version__} lacks the GGUF tokenizer builders jrl uses "
-            "(transformers.integrations.gguf.gguf_tokenizer_mapping): pip install -U "
+            "(transformers.integrations.gguf.gguf_tokenizer_mapping, 5.18 on): pip install -U "
             "transformers, or pass --config.tokenizer=DIR (a tokenizer saved by transformers)."
         )
     return mapping
