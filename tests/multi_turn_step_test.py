@@ -1,5 +1,5 @@
 """Multi-turn rollouts inside the fused step (docs/multi_turn.md#in-the-step): with
-rollout.multi_turn off the step is today's bit for bit; on, the training forward attends over
+rollout.multi_turn off the step is the one before multi-turn (its values); on, the training forward attends over
 tool tokens (the sampler's log-probs of model tokens in later turns are the forward's), nothing
 at tool positions reaches the gradients, the score sits on the last model token, the step
 compiles once for any number of turns, and failing tools are answered and counted while the run
@@ -12,7 +12,8 @@ layers neither read it (norm scales 0 there) nor write it, so the final hidden s
 the tied head adds to the logits of `<` and `>`; the rest of the embedding and the attention's
 value and output weights are scaled up so that the context matters."""
 
-import hashlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -56,19 +57,19 @@ def calling_params(cfg, model_cfg, tok, boost=2.0, scale=5.0, attention=10.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Off: today's step, bit for bit.
+# Off: the step before multi-turn.
 
-# Digests of two steps of `reference_run` computed on the code before multi-turn rollouts were
-# wired into the step (commit 04d438e, `git archive 04d438e`, this function run there on CPU):
-# sha256 of the policy's parameters after the second step (leaves in tree order, raw bytes), the
-# number of metrics and sha256 of repr() of the sorted {name: float} metrics of the second step.
-OFF_REFERENCE = {
-    "grpo_math": ("a260cad436e8486f", 33, "40139d981ee85898"),
-    "ppo_math": ("d0fc97296d92227c", 44, "a7cacda43ef37c07"),
-}
+# Two steps of `reference_run` computed on the code before multi-turn rollouts were wired into the
+# step (commit 04d438e, `git worktree add ... 04d438e`, this function run there on CPU): every
+# metric of the second step and, per parameter leaf, its sum and sum of squares (float64). On the
+# machines this was checked on, the two trees give the same bits (sha256 of the parameters and
+# metrics equal); the bits differ between CPU types, so the test compares values within rtol.
+REFERENCE = os.path.join(os.path.dirname(__file__), "golden", "multi_turn_off_reference.json")
 
 
 def reference_run(name):
+    """Two fused steps of the tiny `name` config from fixed keys: ({metric: float}, [[sum, sum of
+    squares] per parameter leaf])."""
     cfg = tiny_config(name, **{"warmup.sft_steps": 0})
     tok, task, _, model_cfg = trainer.build(cfg)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
@@ -77,21 +78,23 @@ def reference_run(name):
     step = jax.jit(step_lib.make_step(cfg, model_cfg, varied_reward, **ids))
     for i in range(2):
         state, metrics = step(state, task.train_batch(i, step_lib.prompts_per_step(cfg)))
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(state.params):
-        digest.update(np.asarray(leaf).tobytes())
-    metrics = {k: float(v) for k, v in sorted(metrics.items())}
+    leaves = [np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(state.params)]
     return (
-        digest.hexdigest()[:16],
-        len(metrics),
-        hashlib.sha256(repr(metrics).encode()).hexdigest()[:16],
+        {k: float(v) for k, v in sorted(metrics.items())},
+        [[float(x.sum()), float((x * x).sum())] for x in leaves],
     )
 
 
 @pytest.mark.parametrize("name", ["grpo_math", "ppo_math"])
-def test_off_is_the_step_before_multi_turn_bit_for_bit(name):
+def test_off_is_the_step_before_multi_turn(name):
     assert not tiny_config(name).rollout.multi_turn.enable
-    assert reference_run(name) == OFF_REFERENCE[name]
+    with open(REFERENCE) as f:
+        want = json.load(f)[name]
+    metrics, params = reference_run(name)
+    assert sorted(metrics) == sorted(want["metrics"])
+    for key, value in want["metrics"].items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+    np.testing.assert_allclose(params, want["params"], rtol=1e-5, atol=1e-7)
 
 
 def test_the_score_sits_on_the_last_model_token():
