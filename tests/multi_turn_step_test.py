@@ -1,9 +1,9 @@
 """Multi-turn rollouts inside the fused step (docs/multi_turn.md#in-the-step): with
-rollout.multi_turn off the step is the one before multi-turn (its values); on, the training forward attends over
-tool tokens (the sampler's log-probs of model tokens in later turns are the forward's), nothing
-at tool positions reaches the gradients, the score sits on the last model token, the step
-compiles once for any number of turns, and failing tools are answered and counted while the run
-goes on.
+rollout.multi_turn off the step is the one before multi-turn (its values); on, the training
+forward attends over tool tokens (the sampler's log-probs of model tokens in later turns are the
+forward's), nothing at tool positions reaches the gradients, the score sits on the last model
+token, the step compiles once for any number of turns, and failing tools are answered and counted
+while the run goes on.
 
 The tiny demo config (character tokenizer, `compact` format). Its random model seldom writes a
 call, so the tests make `<` and `>` likely and keep the model's outputs context-dependent
