@@ -1,6 +1,6 @@
 """Response buckets (jrl/buckets.py): the bucket a micro-batch runs at, the length order of the
-micro-batches, and a few steps with buckets on equal to the padded path (GRPO; PPO with a critic)
-on skewed response lengths."""
+micro-batches, and a few steps with buckets on equal to the padded path (PPO with a critic) on
+skewed response lengths."""
 
 import jax
 import jax.numpy as jnp
@@ -37,22 +37,37 @@ def test_length_order_gives_each_micro_batch_a_quantile_of_lengths():
 LENGTHS = np.array([2, 1, 3, 2, 16, 1, 2, 3, 1, 2, 11, 1, 3, 2, 1, 2])
 
 
-@pytest.mark.parametrize("config", ["grpo_math", "ppo_math"])
-def test_buckets_change_no_metric_and_no_parameter(config):
+def test_buckets_change_no_metric_and_no_parameter(monkeypatch):
+    """PPO with a critic (its scoring, policy and critic forwards all run in buckets; GRPO's
+    are the same policy forwards): two steps with buckets (8, 16) equal the padded ones, and
+    both buckets ran (the widths of the branches that ran, seen from inside them; none without
+    buckets)."""
     changes = {
         "data.max_response_length": 16,
         "actor.ppo_micro_batch_size_per_device": 2,
         "critic.ppo_micro_batch_size_per_device": 2,
         "rollout.log_prob_micro_batch_size_per_device": 4,
     }
+    widths, trimmed = set(), buckets.trimmed
+
+    def seen(fn, rows, sizes):
+        def run(cut):
+            width = cut["response_mask"].shape[1]
+            jax.debug.callback(lambda: widths.add(width))
+            return fn(cut)
+
+        return trimmed(run, rows, sizes)
+
+    monkeypatch.setattr(buckets, "trimmed", seen)
     results = []
-    for sizes in ((), (4, 8)):
-        cfg = tiny_config(config, **changes, **{"model.response_buckets": sizes})
+    for sizes in ((), (8,)):
+        widths.clear()
+        cfg = tiny_config("ppo_math", **changes, **{"model.response_buckets": sizes})
         state, metrics = run_steps(cfg, 2, forced_length=LENGTHS)
         results.append((jax.device_get((state.params, state.critic_params)), metrics))
+        assert widths == ({8, 16} if sizes else set()), (sizes, widths)
     want_params, want_metrics = results[0]
-    if config == "ppo_math":
-        assert "critic/vf_loss" in want_metrics[0] and want_params[1] is not None
+    assert "critic/vf_loss" in want_metrics[0] and want_params[1] is not None
     assert float(want_metrics[0]["response_length/mean"]) == LENGTHS.mean()
     assert_same_run(results[1], results[0], rtol=1e-5)
 

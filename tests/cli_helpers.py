@@ -1,6 +1,6 @@
 """Helpers of the tests that run the trainer's CLI in subprocesses (kills, full disks, resume
-checks): a persistent compilation cache shared by those runs (each start after the first loads
-the compiled step from disk instead of compiling it), and metrics.jsonl readers."""
+checks): their environment, with the session's persistent compilation cache (each start after the
+first loads the compiled step from disk instead of compiling it), and metrics.jsonl readers."""
 
 import json
 import os
@@ -13,17 +13,10 @@ from conftest import REPO
 TINY = ["--config=configs/grpo_math.py:tiny", "--config.warmup.sft_steps=0"]
 
 
-def cache_env(tmp_path_factory) -> dict:
-    """os.environ plus a JAX persistent compilation cache in this session's temp directory."""
-    cache = tmp_path_factory.getbasetemp() / "jax_cache_cli"
-    cache.mkdir(exist_ok=True)
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+def cache_env() -> dict:
+    """os.environ on CPU: with the session's persistent compilation cache (tests/conftest.py),
+    which the trainer runs in this process and in other workers share."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def start(args, env, main=("-m", "jrl.train")) -> subprocess.Popen:

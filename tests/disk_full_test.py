@@ -10,7 +10,7 @@ FAULT = ("tests/write_fault.py",)
 
 
 def test_full_disk_exits_4_naming_the_path_and_the_next_start_resumes(tmp_path_factory):
-    env = cache_env(tmp_path_factory)
+    env = cache_env()
     workdir = tmp_path_factory.mktemp("disk_full") / "w"
     args = [
         *TINY,

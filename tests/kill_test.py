@@ -67,7 +67,7 @@ def _kill_at(proc, workdir, moment, rng, first_new_row) -> bool:
 
 
 def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path_factory):
-    env = {**cache_env(tmp_path_factory), "PYTHONUNBUFFERED": "1"}  # stdout up to the kill
+    env = {**cache_env(), "PYTHONUNBUFFERED": "1"}  # stdout up to the kill
     reference = tmp_path_factory.mktemp("kill_reference") / "w"
     code, err = run([*ARGS, f"--workdir={reference}"], env)
     assert code == 0, err[-3000:]

@@ -115,7 +115,7 @@ def _snapshot(root):
 
 
 def test_cli_resume_with_changed_config_or_data_exits_2_and_changes_nothing(tmp_path_factory):
-    env = {**cache_env(tmp_path_factory), "JAX_LOG_COMPILES": "1"}
+    env = {**cache_env(), "JAX_LOG_COMPILES": "1"}
     tmp = tmp_path_factory.mktemp("changed_inputs")
     data = tmp / "train.jsonl"
     _write_rows(data, ROWS)

@@ -45,7 +45,7 @@ def test_two_runs_on_one_workdir_one_trains_the_other_exits_2(tmp_path_factory):
     first holds the lock (the first is paused with SIGSTOP meanwhile, so that it is surely still
     running), stops before compiling with the holder's pid and host; metrics.jsonl has each step
     once."""
-    env = cache_env(tmp_path_factory)
+    env = cache_env()
     workdir = tmp_path_factory.mktemp("two_runs") / "w"
     lock = workdir / workdir_lib.LOCK_FILE
     first = cli_start([*TINY, f"--workdir={workdir}"], env)
