@@ -59,9 +59,11 @@ def flags(workdir, **extra):
 
 
 def launch(args, devices: int, **popen):
-    """`python -m jrl.train ARGS` in a fresh process that sees `devices` CPU devices."""
+    """`python -m jrl.train ARGS` in a fresh process that sees `devices` CPU devices (the other
+    XLA flags as in this process: the same code as the in-process runs)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*others, f"--xla_force_host_platform_device_count={devices}"])
     cmd = [sys.executable, "-m", "jrl.train", *args]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen(cmd, cwd=REPO, env=env, text=True, **pipes)
