@@ -93,8 +93,8 @@ def test_off_is_the_step_before_multi_turn(name):
     metrics, params = reference_run(name)
     assert sorted(metrics) == sorted(want["metrics"])
     for key, value in want["metrics"].items():
-        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
-    np.testing.assert_allclose(params, want["params"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(params, want["params"], rtol=1e-5, atol=1e-6)
 
 
 def test_the_score_sits_on_the_last_model_token():
