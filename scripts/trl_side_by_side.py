@@ -26,6 +26,12 @@ and verl's dual clip never act), no KL, AdamW with jrl's betas / weight decay / 
 constant learning rate, temperature 1 without top-k / top-p, completions ended by EOS or a
 newline (TRL: the newline id joins the generation config's EOS ids, so its mask ends there as
 jrl's does), float32 weights and compute.
+
+On a GPU (docs/performance.md, "On accelerators"): one interpreter may serve both sides
+(`--trl_python=python3`); 64 rows per forward on both, `--trl_micro=64
+--config.actor.ppo_micro_batch_size_per_device=64
+--config.rollout.log_prob_micro_batch_size_per_device=64`; with transformers older than 5.18,
+`--config.tokenizer=DIR`, a tokenizer that transformers saved from the same GGUF file.
 """
 
 from __future__ import annotations
