@@ -62,6 +62,10 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=240):
         time.sleep(0.05)
 
 
+def _newest_checkpoint(workdir) -> int:
+    return max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+
+
 def test_sigterm_kill_9_and_a_truncated_checkpoint_then_resume_reach_the_same_metrics(tmp_path):
     """One run's three lives against an uninterrupted run, tools on: SIGTERM after checkpoint 2
     saves the step reached and exits 42; the resumed life is killed with SIGKILL after its first
@@ -77,7 +81,7 @@ def test_sigterm_kill_9_and_a_truncated_checkpoint_then_resume_reach_the_same_me
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == 42
-    last = max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    last = _newest_checkpoint(workdir)
     assert last == _rows(workdir)[-1]["step"] and last < TOTAL
 
     proc = _train(workdir, wait=False)
@@ -86,7 +90,7 @@ def test_sigterm_kill_9_and_a_truncated_checkpoint_then_resume_reach_the_same_me
     proc.wait()
     assert _rows(workdir)[-1]["step"] < TOTAL  # it really died before the end
 
-    newest = max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    newest = _newest_checkpoint(workdir)
     for d, _, files in os.walk(workdir / "checkpoints" / str(newest) / "state"):
         for f in files:  # cut every file of the saved state in half
             path = os.path.join(d, f)
