@@ -60,8 +60,8 @@ def get_config(arg: str | None = None):
     c.actor.ppo_mini_batch_size = 8  # one optimizer update per step
     c.actor.lr = 1e-6  # a pretrained model's learning rate
     c.actor.use_kl_loss = False  # no KL to a reference (no reference model is held)
-    c.actor.ppo_micro_batch_size_per_device = 16  # rows per forward / backward (4 per update)
-    c.rollout.log_prob_micro_batch_size_per_device = 16  # rows per scoring forward
+    c.actor.ppo_micro_batch_size_per_device = 64  # rows per forward / backward (1 per update)
+    c.rollout.log_prob_micro_batch_size_per_device = 64  # rows per scoring forward
     c.algorithm.adv_estimator = "grpo"  # group-relative advantages
     c.checkpoint.every_steps = 0  # save at the end only (1 GB of float32 params and Adam state)
     return c
