@@ -2,7 +2,7 @@
 reward, samples, learning rate and loss, several seeds.
 
   python scripts/trl_side_by_side.py --trl_python=/tmp/trlenv/bin/python [--seeds=0,1,2]
-      [--steps=60] [--out=/tmp/jrl_vs_trl] [--trl_micro=16] [--side=both|jrl|trl] [--config.x=y]
+      [--steps=60] [--out=/tmp/jrl_vs_trl] [--trl_micro=64] [--side=both|jrl|trl] [--config.x=y]
 
 `--trl_python` is an interpreter with torch, transformers, trl, datasets and gguf, e.g. a
 virtualenv made with `pip install torch==2.13.0 trl==1.16.0 gguf` (jrl's own environment needs
@@ -27,10 +27,9 @@ constant learning rate, temperature 1 without top-k / top-p, completions ended b
 newline (TRL: the newline id joins the generation config's EOS ids, so its mask ends there as
 jrl's does), float32 weights and compute.
 
-On a GPU (docs/performance.md, "On accelerators"): one interpreter may serve both sides
-(`--trl_python=python3`); 64 rows per forward on both, `--trl_micro=64
---config.actor.ppo_micro_batch_size_per_device=64
---config.rollout.log_prob_micro_batch_size_per_device=64`; with transformers older than 5.18,
+TRL runs as many rows per forward as jrl's update (`actor.ppo_micro_batch_size_per_device`, 64)
+unless `--trl_micro` says otherwise. On a GPU (docs/performance.md, "On accelerators") one
+interpreter may serve both sides (`--trl_python=python3`); with transformers older than 5.18, add
 `--config.tokenizer=DIR`, a tokenizer that transformers saved from the same GGUF file.
 """
 
@@ -227,7 +226,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=0, help="RL steps; 0: the config's")
     parser.add_argument("--out", default="/tmp/jrl_vs_trl")
-    parser.add_argument("--trl_micro", type=int, default=16, help="TRL rows per forward")
+    parser.add_argument(
+        "--trl_micro", type=int, default=0, help="TRL rows per forward; 0: as jrl's update"
+    )
     parser.add_argument("--side", default="both", choices=("both", "jrl", "trl"), help="run one")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
@@ -250,7 +251,8 @@ def main(argv: list[str]) -> int:
         if not args.trl_python:
             sys.exit("trl_side_by_side: TRL's side needs --trl_python.")
         specs = {seed: trl_spec(cfg, seed) for seed in seeds}
-        for seed, result in run_trl(args.trl_python, specs, args.out, args.trl_micro).items():
+        micro = args.trl_micro or cfg.actor.ppo_micro_batch_size_per_device
+        for seed, result in run_trl(args.trl_python, specs, args.out, micro).items():
             runs[seed]["trl"] = result
     if args.side != "both":
         return 0
