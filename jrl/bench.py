@@ -43,7 +43,7 @@ import json
 
 from absl import app, flags
 
-from jrl.run import benchmark, cli
+from jrl.run import benchmark, cli, decode_report
 from jrl import config as config_lib
 
 _CONFIG = cli.define_config(" With --memory: the config whose step is compiled.")
@@ -67,9 +67,43 @@ _MEMORY = flags.DEFINE_bool(
     "memory analysis per device instead of timing a workload.",
 )
 
+_DECODE = flags.DEFINE_bool(
+    "decode",
+    False,
+    "Compile (never run) one decode step of --config's rollout and report XLA's bytes and flops "
+    "per step against the bytes it needs, its ops and its roofline tokens/s "
+    "(jrl/run/decode_report.py); on a GPU or TPU also time the rollout.",
+)
+_FILL = flags.DEFINE_integer(
+    "fill",
+    None,
+    "--decode: the filled cache slots per row the step is compiled at (default P + R/2).",
+)
+
+
+def _print(result: dict):
+    if _JSON.value:
+        print(json.dumps(result))
+        return
+    for k, v in result.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                print(f"{k}.{kk:<24} {vv}")
+        else:
+            print(f"{k:<28} {v}")
+
 
 def main(argv):
     del argv
+    if _DECODE.value:
+        cfg = _CONFIG.value
+        if cfg is None:
+            raise app.UsageError("--decode needs --config=configs/X.py[:presets]")
+        try:
+            _print(decode_report.decode_report(cfg, fill=_FILL.value))
+        except config_lib.ConfigError as e:
+            cli.fail(str(e))
+        return
     if _MEMORY.value:
         cfg = _CONFIG.value
         if cfg is None:
@@ -89,15 +123,7 @@ def main(argv):
     result = benchmark.run(
         _WORKLOAD.value, _STEPS.value, _MICRO_BATCH.value, fixed_length=_FIXED_LENGTH.value
     )
-    if _JSON.value:
-        print(json.dumps(result))
-        return
-    for k, v in result.items():
-        if isinstance(v, dict):
-            for kk, vv in v.items():
-                print(f"{k}.{kk:<24} {vv}")
-        else:
-            print(f"{k:<28} {v}")
+    _print(result)
 
 
 if __name__ == "__main__":

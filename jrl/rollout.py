@@ -155,6 +155,108 @@ def prefilled(model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples: int, r:
     return model, variables, pre, last_logits
 
 
+class Options(NamedTuple):
+    """What a decode fixes at trace time: the prompt and response lengths, the token ids that
+    end a row, and the sampler's settings (`sample_token`'s)."""
+
+    p: int  # P, prompt slots
+    r: int  # R, response slots
+    eos_id: int
+    pad_id: int
+    stop_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+class Carry(NamedTuple):
+    """The decode loop's carry: token t of the rows is the next to sample."""
+
+    t: jax.Array  # [] int32
+    rows: _Rows
+    ids: jax.Array  # [B, R] int32: the responses so far, at the original rows
+    mask: jax.Array  # [B, R] int32
+    logps: jax.Array  # [B, R] float32
+
+
+def prepare(model_cfg, params):
+    """The variables every decode step reads, made ready once before the loop."""
+    return transformer.variables(transformer.unstack_layers(model_cfg, params))
+
+
+def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opts: Options):
+    """The carry before token 0: the prompts prefilled (`transformer.prefill`), every row live."""
+    model = transformer.Transformer(model_cfg)
+    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, opts.r)
+    b = prompt_ids_BP.shape[0] * samples
+    rows = _Rows(
+        None,
+        transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head),
+        pin(pre.cache),
+        jnp.zeros((b,), bool),
+        pre.key_valid,
+        pre.first_position,
+    )
+    return Carry(
+        jnp.int32(0),
+        rows,
+        jnp.full((b, opts.r), opts.pad_id, jnp.int32),
+        jnp.zeros((b, opts.r), jnp.int32),
+        jnp.zeros((b, opts.r), jnp.float32),
+    )
+
+
+def record(opts: Options, uniforms_RB, forced_length_B, carry: Carry):
+    """Samples response token t of every live row (pad for a finished one) into the [B, R]
+    arrays, at the rows' original rows. Returns (tokens [S], done [S], ids, mask, logps)."""
+    t, rows, ids, mask, logps = carry
+    of_rows = lambda x_B: x_B if rows.index is None else x_B[rows.index]
+    logits_BV = rows.logits
+    forced = None
+    if forced_length_B is not None:
+        forced = _ForcedEos(of_rows(forced_length_B), opts.eos_id, opts.temperature)
+        logits_BV = forced.mask_eos(t, logits_BV)
+    token, logp = sample_token(
+        of_rows(uniforms_RB[t]),
+        logits_BV,
+        temperature=opts.temperature,
+        top_k=opts.top_k,
+        top_p=opts.top_p,
+        greedy=opts.greedy,
+    )
+    if forced is not None:
+        token, logp = forced.write_eos(t, token, rows.logits)
+    live = ~rows.done
+    token = jnp.where(live, token, opts.pad_id)
+    at = (slice(None) if rows.index is None else rows.index, t)
+    ids = ids.at[at].set(token)
+    mask = mask.at[at].set(live.astype(jnp.int32))
+    logps = logps.at[at].set(jnp.where(live, logp, 0.0))
+    stop = token == opts.eos_id
+    for stop_id in opts.stop_ids:  # a few static ids (rollout.stop)
+        stop = stop | (token == stop_id)
+    return token, rows.done | stop, ids, mask, logps
+
+
+def decode_step(model_cfg, variables, uniforms_RB, forced_length_B, opts: Options, carry: Carry):
+    """One decode step, the body of the decode loop: token t of every row sampled and recorded
+    (`record`), then its forward, which writes its keys / values into the cache and gives the
+    logits of token t + 1."""
+    p = opts.p
+    token, done, ids, mask, logps = record(opts, uniforms_RB, forced_length_B, carry)
+    t, rows = carry.t, carry.rows
+    slots = jnp.arange(p + opts.r)
+    # the real prompt slots and the response slots written so far (this token's included)
+    step_mask = rows.key_valid[:, None, :] & (slots <= p + t)[None, None, :]
+    pos = (rows.first_position + t)[:, None]
+    model = transformer.Transformer(model_cfg)
+    out = model.apply(variables, token[:, None], pos, step_mask, rows.cache, p + t)
+    logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
+    rows = rows._replace(logits=logits, cache=pin(out.cache), done=done)
+    return Carry(t + 1, rows, ids, mask, logps)
+
+
 def generate(
     model_cfg: transformer.ModelConfig,
     params,
@@ -192,97 +294,38 @@ def generate(
     row b never samples EOS before token `forced_length[b] - 1` and emits EOS there, so its
     response is exactly that long whatever the model samples. Its `log_probs` are the policy's
     (unmasked) log-probs of the tokens written. None: plain sampling."""
-    model, variables, pre, last_logits = prefilled(
-        model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples, max_new_tokens
-    )
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
-    slots = jnp.arange(p + r)
-
+    opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
+    variables = prepare(model_cfg, params)  # once, outside the decode loop
     uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
-    if forced_length is not None:
-        forced = _ForcedEos(jnp.asarray(forced_length, jnp.int32), eos_id, temperature)
-
-    def record(t, rows: _Rows, ids, mask, logps):
-        """Samples response token t of every live row (pad for a finished one) into the [B, R]
-        arrays, at the rows' original rows. Returns (tokens [S], done [S], ids, mask, logps)."""
-        of_rows = lambda x_B: x_B if rows.index is None else x_B[rows.index]
-        logits_BV = rows.logits
-        if forced_length is not None:
-            row_forced = forced._replace(length_B=of_rows(forced.length_B))
-        sample_logits = logits_BV if forced_length is None else row_forced.mask_eos(t, logits_BV)
-        token, logp = sample_token(
-            of_rows(uniforms_RB[t]),
-            sample_logits,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=greedy,
-        )
-        if forced_length is not None:
-            token, logp = row_forced.write_eos(t, token, logits_BV)
-        live = ~rows.done
-        token = jnp.where(live, token, pad_id)
-        at = (slice(None) if rows.index is None else rows.index, t)
-        ids = ids.at[at].set(token)
-        mask = mask.at[at].set(live.astype(jnp.int32))
-        logps = logps.at[at].set(jnp.where(live, logp, 0.0))
-        stop = token == eos_id
-        for stop_id in stop_ids:  # a few static ids (rollout.stop)
-            stop = stop | (token == stop_id)
-        return token, rows.done | stop, ids, mask, logps
+    forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
+    step = lambda carry: decode_step(model_cfg, variables, uniforms_RB, forced, opts, carry)
 
     # The loops sample tokens 0 .. R-2, each followed by its forward (the next token's logits);
     # the last token needs no forward, so it is sampled after the loop (after each stage's loop).
-    def decode_stage(carry, next_size: int):
+    def decode_stage(carry: Carry, next_size: int) -> Carry:
         """Decodes the carry's rows until every row has ended, t = R - 1, or (next_size > 0) no
         more rows are live than the next stage holds."""
 
         def cond(carry):
-            t, rows, *_ = carry
-            live = jnp.sum(~rows.done)
-            return (t < r - 1) & (live > next_size if next_size else live > 0)
+            live = jnp.sum(~carry.rows.done)
+            return (carry.t < r - 1) & (live > next_size if next_size else live > 0)
 
-        def body(carry):
-            t, rows, ids, mask, logps = carry
-            token, done, ids, mask, logps = record(t, rows, ids, mask, logps)
-            # the real prompt slots and the response slots written so far (this token's included)
-            step_mask = rows.key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-            pos = (rows.first_position + t)[:, None]
-            out = model.apply(variables, token[:, None], pos, step_mask, rows.cache, p + t)
-            logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-            rows = rows._replace(logits=logits, cache=pin(out.cache), done=done)
-            return t + 1, rows, ids, mask, logps
-
-        return jax.lax.while_loop(cond, body, carry)
+        return jax.lax.while_loop(cond, step, carry)
 
     shards = partitioning.context_shards("batch")
     stages = decode_stages(b, shards, compact_min_rows) if compact_min_rows > 0 else (b,)
-    rows = _Rows(
-        None,
-        last_logits,
-        pin(pre.cache),
-        jnp.zeros((b,), bool),
-        pre.key_valid,
-        pre.first_position,
-    )
-    carry = (
-        jnp.int32(0),
-        rows,
-        jnp.full((b, r), pad_id, jnp.int32),
-        jnp.zeros((b, r), jnp.int32),
-        jnp.zeros((b, r), jnp.float32),
-    )
+    carry = start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts)
     for i, size in enumerate(stages):
-        t, rows, *outputs = carry
         if i:  # the live rows move into a batch of `size` rows
-            rows = _compact(rows, size)
-            rows = rows._replace(cache=pin(rows.cache))
+            rows = _compact(carry.rows, size)
+            carry = carry._replace(rows=rows._replace(cache=pin(rows.cache)))
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
-        t, rows, *outputs = decode_stage((t, rows, *outputs), next_size)
+        carry = decode_stage(carry, next_size)
         # Token t of the stage's rows: the last token when t = R - 1 (a stage that stops there
         # may hold more live rows than the next one), pads over pads when every row has ended.
         # When a next stage goes on, it samples token t again, the same way.
-        *_, ids, mask, logps = record(t, rows, *outputs)
-        carry = (t, rows, ids, mask, logps)
-    return Rollout(ids, mask, logps)
+        _, _, ids, mask, logps = record(opts, uniforms_RB, forced, carry)
+        carry = carry._replace(ids=ids, mask=mask, logps=logps)
+    return Rollout(carry.ids, carry.mask, carry.logps)
