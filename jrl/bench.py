@@ -77,7 +77,19 @@ _DECODE = flags.DEFINE_bool(
 _FILL = flags.DEFINE_integer(
     "fill",
     None,
-    "--decode: the filled cache slots per row the step is compiled at (default P + R/2).",
+    "--decode: the cache slots the step's token sees, its own included (default P + R/2).",
+)
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention",
+    None,
+    ["blockwise", "xla"],
+    "--decode: the decode attention compiled instead of the model's own (blockwise): xla, the "
+    "materialised reference over the whole cache.",
+)
+_GREEDY = flags.DEFINE_bool(
+    "greedy",
+    False,
+    "--decode: compile the step with greedy (argmax) sampling instead of the config's sampler.",
 )
 
 
@@ -100,9 +112,15 @@ def main(argv):
         if cfg is None:
             raise app.UsageError("--decode needs --config=configs/X.py[:presets]")
         try:
-            _print(decode_report.decode_report(cfg, fill=_FILL.value))
+            result = decode_report.decode_report(
+                cfg,
+                fill=_FILL.value,
+                greedy=_GREEDY.value,
+                decode_attention=_DECODE_ATTENTION.value,
+            )
         except config_lib.ConfigError as e:
             cli.fail(str(e))
+        _print(result)
         return
     if _MEMORY.value:
         cfg = _CONFIG.value

@@ -12,7 +12,7 @@ top-p filtered) policy, the same quantity the update recomputes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,23 +77,6 @@ def sample_token(
     return token.astype(jnp.int32), logp
 
 
-class _ForcedEos(NamedTuple):
-    """`generate`'s `forced_length`: EOS masked out before a row's length, written at it."""
-
-    length_B: jax.Array  # [B] int32
-    eos_id: int
-    temperature: float
-
-    def mask_eos(self, t, logits_BV):
-        early = (t < self.length_B - 1)[:, None] & (jnp.arange(logits_BV.shape[-1]) == self.eos_id)
-        return jnp.where(early, jnp.finfo(logits_BV.dtype).min, logits_BV)
-
-    def write_eos(self, t, token_B, logits_BV):
-        token_B = jnp.where(t == self.length_B - 1, self.eos_id, token_B).astype(jnp.int32)
-        logp_BV = jax.nn.log_softmax(logits_BV / self.temperature, -1)
-        return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], -1)[:, 0]
-
-
 MAX_DECODE_STAGES = 4  # each stage compiles the decode step once more
 
 
@@ -111,53 +94,11 @@ def decode_stages(rows: int, shards: int = 1, min_rows: int = 16) -> tuple[int, 
     return tuple(sizes)
 
 
-class _Rows(NamedTuple):
-    """The rows a decode stage runs, with everything it reads of them."""
-
-    index: jax.Array | None  # [S] int32: each row's original row (None: all B rows, in order)
-    logits: jax.Array  # [S, V]: the logits of each row's next token
-    cache: tuple  # the KV cache of the S rows (transformer.init_cache's layout)
-    done: jax.Array  # [S] bool: the row has ended (EOS or a stop id)
-    key_valid: jax.Array  # [S, P + R] bool: real prompt slots, then every response slot
-    first_position: jax.Array  # [S] int32: the position id of response token 0
-
-
-def _compact(rows: _Rows, size: int) -> _Rows:
-    """The `size` rows the next stage runs: every live row (at most `size` of them), then
-    finished rows to fill the static size, each with its original row index."""
-    keep = jnp.argsort(rows.done.astype(jnp.int32), stable=True)[:size]  # live rows first
-    take = lambda x: x[keep]
-    return _Rows(
-        keep if rows.index is None else rows.index[keep],
-        take(rows.logits),
-        jax.tree.map(take, rows.cache),
-        take(rows.done),
-        take(rows.key_valid),
-        take(rows.first_position),
-    )
-
-
-def pin(cache):
-    """Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the tensor
-    axis, as the attention weights do; the decode loops keep that layout."""
-    return partitioning.constrain(cache, partitioning.CACHE_AXES)
-
-
-def prefilled(model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples: int, r: int):
-    """A decode's start: (model, variables, prefill, logits of each row's first response token).
-    The prefill computes the keys / values of every prompt token once per prompt and copies them
-    into its `samples` rows' cache with the `r` response slots appended."""
-    model = transformer.Transformer(model_cfg)
-    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
-    variables = transformer.variables(params)
-    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
-    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
-    return model, variables, pre, last_logits
-
-
 class Options(NamedTuple):
     """What a decode fixes at trace time: the prompt and response lengths, the token ids that
-    end a row, and the sampler's settings (`sample_token`'s)."""
+    end (or, with `per_row`, pause) a row, and the sampler's settings (`sample_token`'s).
+    `per_row`: each row writes at its own response slot (`_Rows.length`), as the multi-turn
+    rollout's rows do; else every live row writes at slot t."""
 
     p: int  # P, prompt slots
     r: int  # R, response slots
@@ -168,35 +109,90 @@ class Options(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    per_row: bool = False
+
+
+class Draws(NamedTuple):
+    """What sampling reads besides the logits: each (row, response slot)'s uniform, drawn once
+    before the loop, and the forcing options of the benchmark and the tests."""
+
+    uniforms_RB: jax.Array  # [R, B] float32: the uniform of response slot t of row b
+    forced_length: jax.Array | None = None  # [B] int32: `generate`'s forced_length
+    force_ids: jax.Array | None = None  # [B, R] int32: where >= 0, the token at that slot
+
+
+class _Rows(NamedTuple):
+    """The rows a decode stage runs, with everything it reads of them."""
+
+    index: jax.Array | None  # [S] int32: each row's original row (None: all B rows, in order)
+    logits: jax.Array  # [S, V]: the logits of each row's next token
+    cache: tuple  # the KV cache of the S rows (`start`: with the shared prompt until compacted)
+    done: jax.Array  # [S] bool: the row has ended
+    key_valid: jax.Array  # [S, P + R] bool: real prompt slots, then every response slot
+    first_position: jax.Array  # [S] int32: the position id of response token 0
+    length: jax.Array  # [S] int32: response slots filled (the next token's slot)
 
 
 class Carry(NamedTuple):
-    """The decode loop's carry: token t of the rows is the next to sample."""
+    """The decode loop's carry."""
 
-    t: jax.Array  # [] int32
+    t: jax.Array  # [] int32: decode steps taken (without per_row: every live row's next slot)
     rows: _Rows
     ids: jax.Array  # [B, R] int32: the responses so far, at the original rows
-    mask: jax.Array  # [B, R] int32
+    mask: jax.Array  # [B, R] int32: 1 on sampled tokens
     logps: jax.Array  # [B, R] float32
+    turn: Any = None  # the turn hook's state (multi-turn); None without one
+
+
+def when(pred, fn, operand):
+    """fn(operand) if pred else operand, as a `while_loop` of 0 or 1 trips: XLA updates a loop's
+    carry in place, where `lax.cond` copied every operand it passes through (the whole KV
+    cache)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, fn(c[1])), (pred, operand))[1]
+
+
+def _compact(rows: _Rows, size: int) -> _Rows:
+    """The `size` rows the next stage runs: every live row (at most `size` of them), then
+    finished rows to fill the static size, each with its original row index."""
+    keep = jnp.argsort(rows.done.astype(jnp.int32), stable=True)[:size]  # live rows first
+    index = keep if rows.index is None else rows.index[keep]
+    # the rows leave their groups' order: each reads its prompt from its own cache from now on
+    cache = tuple({"k": layer["k"], "v": layer["v"]} for layer in rows.cache)
+    rows = rows._replace(index=None, cache=cache)
+    return jax.tree.map(lambda x: x[keep], rows)._replace(index=index)
+
+
+def pin(cache):
+    """Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the tensor
+    axis, as the attention weights do; the decode loops keep that layout."""
+    return partitioning.constrain(cache, partitioning.CACHE_AXES)
 
 
 def prepare(model_cfg, params):
-    """The variables every decode step reads, made ready once before the loop."""
+    """The variables every decode step reads, made ready once before the loop: the stacked
+    layers split, the matrices cast to the compute dtype (`transformer.unstack_layers`)."""
     return transformer.variables(transformer.unstack_layers(model_cfg, params))
 
 
 def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opts: Options):
-    """The carry before token 0: the prompts prefilled (`transformer.prefill`), every row live."""
-    model = transformer.Transformer(model_cfg)
+    """The carry before token 0: the prompts prefilled once each (`transformer.prefill`, their
+    keys / values copied into their `samples` rows' cache), every row live. With samples > 1
+    the decode attention reads each prompt's keys / values once for its rows
+    (`transformer.with_shared_prompt`) until the rows are compacted."""
+    model = transformer.Transformer(model_cfg, decode=True)
     pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, opts.r)
     b = prompt_ids_BP.shape[0] * samples
+    cache = pre.cache
+    if samples > 1:
+        cache = transformer.with_shared_prompt(cache, pre.prompt_cache)
     rows = _Rows(
         None,
-        transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head),
-        pin(pre.cache),
+        transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head, decode=True),
+        pin(cache),
         jnp.zeros((b,), bool),
         pre.key_valid,
         pre.first_position,
+        jnp.zeros((b,), jnp.int32),
     )
     return Carry(
         jnp.int32(0),
@@ -207,54 +203,115 @@ def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opt
     )
 
 
-def record(opts: Options, uniforms_RB, forced_length_B, carry: Carry):
-    """Samples response token t of every live row (pad for a finished one) into the [B, R]
-    arrays, at the rows' original rows. Returns (tokens [S], done [S], ids, mask, logps)."""
-    t, rows, ids, mask, logps = carry
-    of_rows = lambda x_B: x_B if rows.index is None else x_B[rows.index]
+def _slot(opts: Options, carry: Carry):
+    """The response slot of each row's next token: [S] with per_row, else t."""
+    return carry.rows.length if opts.per_row else carry.t
+
+
+def record(opts: Options, draws: Draws, carry: Carry):
+    """Samples the next token of every live row (pad for a finished one) at its response slot
+    into the [B, R] arrays, at the rows' original rows; nothing else moves. Returns (tokens [S],
+    stopped [S]: live rows whose token is EOS or a stop id, carry)."""
+    rows = carry.rows
+    slot = _slot(opts, carry)
+    rows_b = jnp.arange(rows.done.shape[0]) if rows.index is None else rows.index
     logits_BV = rows.logits
-    forced = None
-    if forced_length_B is not None:
-        forced = _ForcedEos(of_rows(forced_length_B), opts.eos_id, opts.temperature)
-        logits_BV = forced.mask_eos(t, logits_BV)
+    if draws.forced_length is not None:
+        early = (slot < draws.forced_length[rows_b] - 1)[:, None]
+        eos = jnp.arange(logits_BV.shape[-1]) == opts.eos_id
+        logits_BV = jnp.where(early & eos, jnp.finfo(logits_BV.dtype).min, logits_BV)
     token, logp = sample_token(
-        of_rows(uniforms_RB[t]),
+        draws.uniforms_RB[jnp.minimum(slot, opts.r - 1), rows_b],
         logits_BV,
         temperature=opts.temperature,
         top_k=opts.top_k,
         top_p=opts.top_p,
         greedy=opts.greedy,
     )
-    if forced is not None:
-        token, logp = forced.write_eos(t, token, rows.logits)
+    forced = None
+    if draws.forced_length is not None:  # EOS written at the row's length
+        forced = jnp.where(slot == draws.forced_length[rows_b] - 1, opts.eos_id, -1)
+    if draws.force_ids is not None:
+        forced = draws.force_ids[rows_b, jnp.minimum(slot, opts.r - 1)]
+    if forced is not None:  # the policy's own log-prob of the forced token
+        token = jnp.where(forced >= 0, forced, token).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(rows.logits / opts.temperature, -1)
+        logp = jnp.take_along_axis(logp_BV, token[:, None], -1)[:, 0]
     live = ~rows.done
     token = jnp.where(live, token, opts.pad_id)
-    at = (slice(None) if rows.index is None else rows.index, t)
-    ids = ids.at[at].set(token)
-    mask = mask.at[at].set(live.astype(jnp.int32))
-    logps = logps.at[at].set(jnp.where(live, logp, 0.0))
+    at = (rows_b, jnp.where(live, slot, opts.r))  # a finished row writes nothing (dropped)
+    put = lambda arr, x: arr.at[at].set(x.astype(arr.dtype), mode="drop")
+    carry = carry._replace(
+        ids=put(carry.ids, token),
+        mask=put(carry.mask, jnp.ones_like(token)),
+        logps=put(carry.logps, logp),
+    )
     stop = token == opts.eos_id
-    for stop_id in opts.stop_ids:  # a few static ids (rollout.stop)
+    for stop_id in opts.stop_ids:  # a few static ids (rollout.stop, the host's stop ids)
         stop = stop | (token == stop_id)
-    return token, rows.done | stop, ids, mask, logps
+    return token, live & stop, carry
 
 
-def decode_step(model_cfg, variables, uniforms_RB, forced_length_B, opts: Options, carry: Carry):
-    """One decode step, the body of the decode loop: token t of every row sampled and recorded
-    (`record`), then its forward, which writes its keys / values into the cache and gives the
-    logits of token t + 1."""
-    p = opts.p
-    token, done, ids, mask, logps = record(opts, uniforms_RB, forced_length_B, carry)
-    t, rows = carry.t, carry.rows
-    slots = jnp.arange(p + opts.r)
-    # the real prompt slots and the response slots written so far (this token's included)
-    step_mask = rows.key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-    pos = (rows.first_position + t)[:, None]
-    model = transformer.Transformer(model_cfg)
-    out = model.apply(variables, token[:, None], pos, step_mask, rows.cache, p + t)
-    logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-    rows = rows._replace(logits=logits, cache=pin(out.cache), done=done)
-    return Carry(t + 1, rows, ids, mask, logps)
+def forward(model_cfg, variables, opts: Options, rows: _Rows, ids_SL, start, write):
+    """`ids_SL` [S, L] at response slots start + l of each row (`start` a scalar or [S]): their
+    keys / values written into the cache where `write` (a scalar True, or [S] bool: a row's
+    write is dropped where False), their attention over the real prompt slots and the response
+    slots up to their own, blockwise up to the last one (`transformer._masked_attention`).
+    Returns the model's `Output`."""
+    p, r = opts.p, opts.r
+    l = ids_SL.shape[1]
+    positions = (rows.first_position + start)[..., None] + jnp.arange(l)
+    positions = jnp.broadcast_to(positions, ids_SL.shape)
+    index = p + start if jnp.ndim(write) == 0 else jnp.where(write, p + start, p + r)
+    model = transformer.Transformer(model_cfg, decode=True)
+    return model.apply(variables, ids_SL, positions, rows.key_valid, rows.cache, index)
+
+
+def decode_step(model_cfg, variables, draws: Draws, opts: Options, carry: Carry):
+    """One decode step: the next token of every live row sampled and recorded (`record`), then
+    its forward, which writes its keys / values into the cache and gives the logits of the
+    token after it. Returns (carry, stopped [S]: the live rows whose token is EOS or a stop id;
+    what ends or pauses them is the caller's: `end_stopped` or a turn hook)."""
+    token, stopped, carry = record(opts, draws, carry)
+    rows = carry.rows
+    live = ~rows.done
+    slot = _slot(opts, carry)
+    out = forward(
+        model_cfg, variables, opts, rows, token[:, None], slot, live if opts.per_row else True
+    )
+    length = rows.length + live.astype(jnp.int32)
+    rows = rows._replace(
+        logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head, decode=True),
+        cache=pin(out.cache),
+        length=length,
+        done=rows.done | (length >= opts.r),
+    )
+    return carry._replace(t=carry.t + 1, rows=rows), stopped
+
+
+def end_stopped(carry: Carry, stopped) -> Carry:
+    """The one-turn rollout's turn hook: a row ends at EOS or a stop id."""
+    return carry._replace(rows=carry.rows._replace(done=carry.rows.done | stopped))
+
+
+def decode_body(model_cfg, variables, draws, opts, carry, hook=end_stopped) -> Carry:
+    """The decode loop's body: `decode_step`, then `hook(carry, stopped)` (`end_stopped`; the
+    multi-turn rollout's turn)."""
+    return hook(*decode_step(model_cfg, variables, draws, opts, carry))
+
+
+def decode_loop(model_cfg, variables, draws, opts, carry, hook=end_stopped, next_size: int = 0):
+    """Decodes the carry's rows until no live row has a response slot before the last one, or
+    (next_size > 0) no more rows are live than the next stage holds. The last slot's token needs
+    no forward: `record` samples it after the loop."""
+
+    def cond(carry):
+        live = ~carry.rows.done
+        going = jnp.any(live & (_slot(opts, carry) < opts.r - 1))
+        return going & (jnp.sum(live) > next_size) if next_size else going
+
+    body = lambda carry: decode_body(model_cfg, variables, draws, opts, carry, hook)
+    return jax.lax.while_loop(cond, body, carry)
 
 
 def generate(
@@ -298,34 +355,30 @@ def generate(
     b, r = prompts * samples, max_new_tokens
     opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
     variables = prepare(model_cfg, params)  # once, outside the decode loop
-    uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
     forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
-    step = lambda carry: decode_step(model_cfg, variables, uniforms_RB, forced, opts, carry)
-
-    # The loops sample tokens 0 .. R-2, each followed by its forward (the next token's logits);
-    # the last token needs no forward, so it is sampled after the loop (after each stage's loop).
-    def decode_stage(carry: Carry, next_size: int) -> Carry:
-        """Decodes the carry's rows until every row has ended, t = R - 1, or (next_size > 0) no
-        more rows are live than the next stage holds."""
-
-        def cond(carry):
-            live = jnp.sum(~carry.rows.done)
-            return (carry.t < r - 1) & (live > next_size if next_size else live > 0)
-
-        return jax.lax.while_loop(cond, step, carry)
-
+    draws = Draws(jax.random.uniform(key, (r, b)), forced)  # every step's draws, before the loop
     shards = partitioning.context_shards("batch")
     stages = decode_stages(b, shards, compact_min_rows) if compact_min_rows > 0 else (b,)
-    carry = start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts)
-    for i, size in enumerate(stages):
-        if i:  # the live rows move into a batch of `size` rows
-            rows = _compact(carry.rows, size)
-            carry = carry._replace(rows=rows._replace(cache=pin(rows.cache)))
+
+    def run_from(i: int, carry: Carry) -> Carry:
+        """Stage i and the ones after it; the carry's rows are stage i's."""
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
-        carry = decode_stage(carry, next_size)
+        with jax.named_scope("decode"):
+            carry = decode_loop(model_cfg, variables, draws, opts, carry, next_size=next_size)
         # Token t of the stage's rows: the last token when t = R - 1 (a stage that stops there
-        # may hold more live rows than the next one), pads over pads when every row has ended.
-        # When a next stage goes on, it samples token t again, the same way.
-        _, _, ids, mask, logps = record(opts, uniforms_RB, forced, carry)
-        carry = carry._replace(ids=ids, mask=mask, logps=logps)
+        # may hold more live rows than the next one), nothing when every row has ended. When
+        # a next stage goes on, it samples token t again, the same way.
+        carry = record(opts, draws, carry)[2]
+        if not next_size:
+            return carry
+
+        def rest(c: Carry) -> Carry:  # the live rows move into a batch of `size` rows
+            rows = _compact(c.rows, next_size)
+            out = run_from(i + 1, c._replace(rows=rows._replace(cache=pin(rows.cache))))
+            return c._replace(t=out.t, ids=out.ids, mask=out.mask, logps=out.logps)
+
+        # none live (every row ended in this stage): no gather of the caches, no later stage
+        return when(jnp.any(~carry.rows.done), rest, carry)
+
+    carry = run_from(0, start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts))
     return Rollout(carry.ids, carry.mask, carry.logps)

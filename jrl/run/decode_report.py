@@ -7,27 +7,33 @@ its compute dtype) from abstract inputs (`jax.ShapeDtypeStruct`: no parameter is
 reads XLA's cost analysis of it:
 
   * `bytes` / `flops`: XLA's figures for the step. XLA counts a while loop's body once, whatever
-    its trip count, so the step is not measured inside the loop: `rollout.decode_step` (the
+    its trip count, so the step is not measured inside the loop: `rollout.decode_body` (the
     loop's body, the same function) is compiled alone, its carry donated as the loop's is, at
-    a fill given as a Python int (`fill`, default P + R / 2: the mean over a full-length
-    response). At a static fill the decode attention's loop over key blocks runs as a Python
-    loop, so every block it reads at that fill is in the program and counted once.
-  * `in_loop_bytes` (backends whose client can analyse a module: CPU): the body of the first
-    decode loop as XLA compiled it inside the whole rollout (`rollout.generate` compiled, the
-    loop's body taken out of its HLO and analysed alone), with each loop inside it counted
-    `blocks` times, the number of key blocks at the fill. It differs from `bytes` by what
-    XLA moves out of the loop (loop-invariant code motion: on XLA:CPU the float32 copies of
-    bfloat16 weights it converts).
-  * `sampler_bytes`: `rollout.sample_token` alone on [B, V] logits (its share of `bytes`).
+    a fill given as a Python int (`fill`: the slots the step's token sees, its own included;
+    default P + R / 2, the mean over a full-length response). At a static fill the decode
+    attention's loops over key blocks run as Python loops (`attention.decode_attention`), so
+    every block read at that fill is in the program, counted once. (The materialised
+    reference, `decode_attention="xla"`, reads every slot of the cache at any fill, as in the
+    loop.) The step is the first stage's: all B rows, each prompt's keys / values read once for
+    its group (`rollout.start`).
+  * `in_loop` (backends whose client can analyse a module: CPU): the body of the first decode
+    loop as XLA compiled it inside the whole rollout (`rollout.generate` compiled, the loop's
+    body taken out of its HLO and analysed alone), each attention loop inside it counted as
+    many times as it runs at the fill (full-attention layers; a sliding layer's loops are
+    counted as a full layer's). It differs from `bytes` by what XLA moves out of the loop
+    (loop-invariant code motion).
+  * `sampler_bytes`: the sampler (`rollout.sample_token`, or argmax with `greedy`) alone on
+    [B, V] logits: its share of `bytes`.
   * `needed_bytes`: every weight once in the compute dtype (a tied embedding once, as the
     head), the filled keys and values (B rows x `fill` slots, a sliding layer at most its
-    window), the logits once (B x V float32); `needed_shared_prompt_bytes` counts each prompt's
-    P slots once per group of rollout.n rows instead of once per row.
+    window), the logits once (B x V float32); `total_shared_prompt` counts each prompt's P
+    slots once per group of rollout.n rows instead of once per row.
   * `ops`: the HLO instructions of the compiled step (its entry computation, without
     parameters, constants, tuples, get-tuple-element and bitcasts), and how many of them are
     fusions: roughly the kernels a GPU launches per step.
   * `roofline_tokens_per_s`: B tokens per step at a chip's memory bandwidth (`CHIPS`), for
-    XLA's bytes and for the needed bytes.
+    XLA's bytes and for the needed bytes; `xla_optimal_seconds`: the TPU compiler's own
+    estimate of the step's time (TPU only).
 
 On a GPU or TPU the report also times the real rollout (random weights, every response forced to
 R tokens) and gives tokens/s and its share of the device's roofline; on CPU it does not.
@@ -35,6 +41,7 @@ R tokens) and gives tokens/s and its share of the device's roofline; on CPU it d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -48,7 +55,7 @@ import numpy as np
 from jrl import config as config_lib
 from jrl import rollout
 from jrl import step as step_lib
-from jrl.models import transformer
+from jrl.models import attention, transformer
 from jrl.run import trainer
 
 # Memory bandwidth per chip, bytes/s (docs/performance.md, "Decode" cites the sources).
@@ -73,11 +80,16 @@ def _abstract(tree):
 
 
 class Shape:
-    """The rollout's shape and options from a config."""
+    """The rollout's shape and options from a config; `decode_attention` replaces the model's
+    (`ModelConfig.decode_attention`)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, decode_attention: str | None = None):
         config_lib.validate(cfg)
-        tok, task, _, self.model_cfg = trainer.build(cfg)
+        tok, task, _, model_cfg = trainer.build(cfg)
+        if decode_attention is not None:
+            attention.DECODE_IMPLEMENTATIONS.get(decode_attention)
+            model_cfg = dataclasses.replace(model_cfg, decode_attention=decode_attention)
+        self.model_cfg = model_cfg
         ids = trainer.sampling_ids(tok, task, cfg)
         self.groups = step_lib.prompts_per_step(cfg)
         self.n = cfg.rollout.n
@@ -102,27 +114,29 @@ class Shape:
 _KEY = jax.random.key(0)
 
 
-def _step_program(shape: Shape, fill: int):
-    """(decode step as a function of (variables, uniforms, carry), its abstract arguments)."""
-    cfg, opts = shape.model_cfg, shape.opts
+def _step_program(shape: Shape, fill: int, greedy: bool = False):
+    """(decode step as a function of (variables, draws, carry), its abstract arguments): the
+    step whose token sits in slot `fill` - 1 and sees `fill` slots."""
+    cfg, opts = shape.model_cfg, shape.opts._replace(greedy=greedy)
     variables = jax.eval_shape(lambda p: rollout.prepare(cfg, p), shape.params)
     prompts = jax.ShapeDtypeStruct((shape.groups, shape.p), jnp.int32)
     carry = jax.eval_shape(
         lambda v, i, m: rollout.start(cfg, v, i, m, shape.n, opts), variables, prompts, prompts
     )
-    uniforms = jax.ShapeDtypeStruct((shape.r, shape.rows), jnp.float32)
-    t = fill - shape.p  # a Python int: the step is compiled at this fill
+    draws = rollout.Draws(jax.ShapeDtypeStruct((shape.r, shape.rows), jnp.float32))
+    t = fill - shape.p - 1  # a Python int: the step is compiled at this fill
 
-    def step(variables, uniforms, carry):
-        out = rollout.decode_step(cfg, variables, uniforms, None, opts, carry._replace(t=t))
+    def step(variables, draws, carry):
+        out = rollout.decode_body(cfg, variables, draws, opts, carry._replace(t=t))
         return out._replace(t=jnp.int32(t + 1))
 
-    return step, (variables, uniforms, _abstract(carry))
+    return step, (variables, draws, _abstract(carry))
 
 
-def _sampler_program(shape: Shape):
+def _sampler_program(shape: Shape, greedy: bool = False):
     opts = shape.opts
     sampling = dict(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
+    sampling["greedy"] = greedy
     fn = lambda u, logits: rollout.sample_token(u, logits, **sampling)
     b, v = shape.rows, shape.model_cfg.vocab_size
     args = (jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, v), jnp.float32))
@@ -205,11 +219,15 @@ def in_loop_cost(shape: Shape, fill: int, block: int) -> dict | None:
     except Exception:  # a client without the analysis (compile-only)
         return None
     total = {k: body.get(k, 0.0) for k in ("bytes accessed", "flops")}
-    blocks = -(-fill // block)
+    # the attention's loops: whole blocks of `block`, then quarter blocks up to the fill
+    big = min(block, shape.p + shape.r)
+    small = max(big // 4, 1)
+    trips = {big: fill // big, small: -(-(fill % big) // small)}
     for inner in _loop_bodies(comps[decode[0]]):
+        size = big if f",{big},{cfg.head_size}]" in comps[inner] else small
         extra = _module_cost(client, hlo, inner)
-        for k in total:
-            total[k] += (blocks - 1) * extra.get(k, 0.0)
+        for k in total:  # the body above counted each loop's body once
+            total[k] += (trips[size] - 1) * extra.get(k, 0.0)
     return {
         "bytes": int(total["bytes accessed"]),
         "flops": int(total["flops"]),
@@ -304,13 +322,21 @@ def time_rollout(shape: Shape, rounds: int = 3) -> dict:
 
 
 def decode_report(
-    cfg, *, fill: int | None = None, compile_fn: CompileFn | None = None, timing: bool = True
+    cfg,
+    *,
+    fill: int | None = None,
+    greedy: bool = False,
+    decode_attention: str | None = None,
+    compile_fn: CompileFn | None = None,
+    timing: bool = True,
 ) -> dict:
-    """The decode report of `cfg` (see the module doc). `fill`: the filled slots per row the step
-    is compiled at (default P + R / 2); `compile_fn(jitted, abstract_args) -> compiled`: how to
-    compile (default: for the local device; a TPU target's compile plugs in here); `timing`: time
-    the real rollout when the local device is a GPU or TPU."""
-    shape = Shape(cfg)
+    """The decode report of `cfg` (see the module doc). `fill`: the cache slots the step's token
+    sees (its own included; default P + R / 2); `greedy`: the step samples by argmax instead of
+    the config's sampler; `decode_attention`: the model's decode attention instead of its own
+    ("blockwise"; "xla": the materialised reference); `compile_fn(jitted, abstract_args) ->
+    compiled`: how to compile (default: for the local device; a TPU target's compile plugs in
+    here); `timing`: time the real rollout when the local device is a GPU or TPU."""
+    shape = Shape(cfg, decode_attention)
     fill = shape.p + shape.r // 2 if fill is None else fill
     if not shape.p < fill <= shape.p + shape.r:
         raise config_lib.ConfigError(
@@ -318,14 +344,14 @@ def decode_report(
             "filled when a response token is decoded."
         )
     compile_fn = compile_fn or local_compile
-    step, args = _step_program(shape, fill)
+    step, args = _step_program(shape, fill, greedy)
     t = time.perf_counter()
     compiled = compile_fn(jax.jit(step, donate_argnums=2), args)
     compile_s = time.perf_counter() - t
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
-    sampler_fn, sampler_args = _sampler_program(shape)
+    sampler_fn, sampler_args = _sampler_program(shape, greedy)
     sampler = compile_fn(jax.jit(sampler_fn), sampler_args).cost_analysis()
     if isinstance(sampler, (list, tuple)):
         sampler = sampler[0]
@@ -338,7 +364,9 @@ def decode_report(
         "response_length": shape.r,
         "fill": fill,
         "dtype": shape.model_cfg.dtype,
-        "device": _device_kind(compiled),
+        "decode_attention": shape.model_cfg.decode_attention,
+        "sampler": "greedy (argmax)" if greedy else "the config's (rollout.sample_token)",
+        "device": _device_kind(args),
         "compile_s": round(compile_s, 1),
         "bytes": int(nbytes),
         "flops": int(flops),
@@ -349,6 +377,8 @@ def decode_report(
         "ratio_without_sampler": round((nbytes - sampler["bytes accessed"]) / need["total"], 3),
         "ratio_to_shared_prompt": round(nbytes / need["total_shared_prompt"], 3),
         "ops": ops,
+        # the TPU compiler's own estimate of the step's time (absent on other backends)
+        "xla_optimal_seconds": cost.get("optimal_seconds"),
         "roofline_tokens_per_s": roofline(shape.rows, nbytes),
         "roofline_tokens_per_s_needed": roofline(shape.rows, need["total"]),
     }
@@ -366,8 +396,10 @@ def decode_report(
     return out
 
 
-def _device_kind(compiled) -> str:
-    try:
-        return str(compiled.runtime_executable().local_devices()[0].device_kind)
-    except Exception:
-        return str(jax.devices()[0].device_kind)
+def _device_kind(args) -> str:
+    """The kind of device the step was compiled for: its arguments' (a target's), else local."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return str(next(iter(sharding.device_set)).device_kind)
+    return str(jax.devices()[0].device_kind)
