@@ -522,10 +522,8 @@ def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
 
 
 def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
-    """Phase 2 (see above)."""
-    cfg, algo = spec.cfg, spec.cfg.algorithm
-    mask = exp["response_mask"]
-    b = mask.shape[0]
+    """Phase 2 (see above): the scoring forwards, then `estimate_advantages`."""
+    cfg, mask = spec.cfg, exp["response_mask"]
     names = ("input_ids", "attention_mask", "response_ids", "response_mask", "response_valid")
     rows = {k: exp[k] for k in names if k in exp}
     score = lambda r: score_forwards(spec, state, r)
@@ -536,6 +534,20 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
         exp["values"] = exp["values"] * mask
     if bypass_mode(cfg):
         exp["old_log_prob"] = exp["rollout_log_prob"] * mask
+    return estimate_advantages(spec, state, exp)
+
+
+def estimate_advantages(spec: StepSpec, state: TrainState, exp: Batch):
+    """Phase 2 after its forwards, in verl 0.9.1's trainer order: the score on each row's last
+    token, KL in the reward (over the response mask), rollout correction (IS weights; rejection
+    gives the losses, the whitening, the critic and the metrics a new mask, `policy_mask`), then
+    the estimator. The rewards stay zeroed with the mask from before rejection (`reward_mask`):
+    a group estimator sums a rejected row's score into its group, as verl's do; the token-level
+    ones drop rewards on rejected tokens, as verl's do (docs/algorithms.md#rollout-correction).
+    `exp` holds the rollout, its scores and the forwards' outputs (`old_log_prob`, ...)."""
+    cfg, algo, exp = spec.cfg, spec.cfg.algorithm, dict(exp)
+    mask = exp["response_mask"]
+    b = mask.shape[0]
     metrics = {}
     token_level_scores = last_token_scores(exp["scores"], mask)
     token_level_rewards, kl_coef = token_level_scores, state.kl_coef
@@ -564,7 +576,12 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     index = jnp.arange(b, dtype=jnp.int32) // spec.n  # the prompt (group) of each row
     given = {**exp, "index": index, "threshold": state.group_threshold}
     inputs = {k: given[k] for k in adv_lib.INPUTS if k in given}
-    adv = spec.estimator(token_level_rewards=token_level_rewards, response_mask=mask, **inputs)
+    adv = spec.estimator(
+        token_level_rewards=token_level_rewards,
+        response_mask=mask,
+        reward_mask=exp["response_mask"],
+        **inputs,
+    )
     metrics.update(adv["metrics"])
     exp.update(
         token_level_rewards=token_level_rewards,
@@ -810,20 +827,22 @@ def make_step(*args, **kwargs):
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     """verl's data metrics of a scored batch: scores, rewards, advantages, returns, values,
     lengths; and a multi-turn batch's turns and tool calls (`multi_turn_metrics`). Lengths count
-    every response token, tool tokens included (verl's, from the attention mask); the rest is
-    over model tokens."""
+    every response token, tool tokens included (verl's, from the attention mask); rewards are
+    each row's sum; advantages, returns and values are over model tokens left after rollout
+    correction's rejection (`policy_mask`; verl's response_mask at that point)."""
     mask = exp["response_mask"]
+    kept = exp.get("policy_mask", mask)
     length = jnp.sum(exp.get("response_valid", mask), -1)
     prompt_length = jnp.sum(exp["attention_mask"], -1)
     metrics = {}
     metrics.update(_stats("critic/score", exp["scores"]))
     metrics.update(_stats("critic/rewards", jnp.sum(exp["token_level_rewards"] * mask, -1)))
-    metrics.update(_stats("critic/advantages", exp["advantages"], mask))
-    metrics.update(_stats("critic/returns", exp["returns"], mask))
+    metrics.update(_stats("critic/advantages", exp["advantages"], kept))
+    metrics.update(_stats("critic/returns", exp["returns"], kept))
     if "values" in exp:
-        metrics.update(_stats("critic/values", exp["values"], mask))
+        metrics.update(_stats("critic/values", exp["values"], kept))
         metrics["critic/vf_explained_var"] = group_lib.explained_variance(
-            exp["returns"], exp["values"], mask
+            exp["returns"], exp["values"], kept
         )
     metrics.update(_stats("response_length", length.astype(jnp.float32)))
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
