@@ -14,6 +14,8 @@ switched-off feature set away from its default (`_off_sections`: it would have n
 from __future__ import annotations
 
 import difflib
+import fnmatch
+import functools
 import importlib.util
 import os
 import sys
@@ -315,6 +317,50 @@ def flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{k}")
     return keys
+
+
+# What a resume may change (`jrl.run.workdir.check_resume`), as glob patterns over the fields of
+# `base_config()`: whole sections that only steer the run (how it saves, guards against
+# non-finite steps, lays the step out on the devices), and the fields of other sections that
+# change how long the run goes, how often it evaluates and what it shows, or how the same step is
+# laid out in memory (micro-batches, remat, attention kernels, buckets, decode stages), never what
+# a step computes. Input paths are compared by their files' fingerprints, so moving the files is
+# no change. `resume_safe_fields` refuses a pattern that names no field, so the list cannot go on
+# naming a field that was renamed or removed.
+RESUME_SAFE_SECTIONS = ("checkpoint", "nan_guard", "mesh")
+RESUME_SAFE_FIELDS = (
+    "total_steps",
+    "eval_every",
+    "eval_samples",
+    "model.remat",
+    "model.attention",
+    "model.attention_block_size",
+    "model.logits_chunk_size",
+    "model.shared_prompt_forward",
+    "model.response_buckets",
+    "*.ppo_micro_batch_size_per_device",
+    "rollout.log_prob_micro_batch_size_per_device",
+    "rollout.compact_decode",
+    "rollout.compact_min_rows",
+    "rollout.multi_turn.num_workers",
+    "task.math_workers",
+    "model.hf_path",
+    "tokenizer",
+    "task.train_files",
+    "task.eval_files",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def resume_safe_fields() -> tuple[str, ...]:
+    """The patterns of the fields a resume may change: RESUME_SAFE_SECTIONS' fields and
+    RESUME_SAFE_FIELDS, each checked to match a field of `base_config()` (ValueError if not)."""
+    fields = flat_keys(base_config())
+    patterns = tuple(f"{s}.*" for s in RESUME_SAFE_SECTIONS) + RESUME_SAFE_FIELDS
+    unknown = [p for p in patterns if not fnmatch.filter(fields, p)]
+    if unknown:
+        raise ValueError(f"resume-safe patterns {unknown} name no field of base_config().")
+    return patterns
 
 
 def override_keys(argv) -> list[str]:

@@ -191,6 +191,18 @@ def last_token_scores(scores_B, response_mask_BR):
     return jax.nn.one_hot(last, r, dtype=jnp.float32) * scores_B[:, None]
 
 
+def final_turn_mask(response_mask_BR, valid_BR):
+    """[B, R] int32: what a reward reads of a multi-turn response, the model's final turn: its
+    model tokens (`response_mask` 1) after the last tool token (`valid` 1, `response_mask` 0);
+    the whole response of a row that called no tool (`response_mask` itself in a one-turn
+    rollout, where valid = response_mask). A tool's answer is never read as the
+    model's words (a policy would learn to let the tool state its answer)."""
+    r = response_mask_BR.shape[1]
+    tool = (valid_BR > 0) & (response_mask_BR == 0)
+    last_tool = jnp.max(jnp.where(tool, jnp.arange(r)[None], -1), axis=-1, keepdims=True)
+    return ((response_mask_BR > 0) & (jnp.arange(r)[None] > last_tool)).astype(jnp.int32)
+
+
 def overlong_penalty(length_B, max_new_tokens: int, buffer_len: int, penalty_factor: float):
     """DAPO's soft overlong punishment: 0 up to R - buffer_len tokens, then falling linearly to
     -penalty_factor at R: min(-(len - (R - buffer_len)) / buffer_len * factor, 0)."""
@@ -373,19 +385,21 @@ def sample_responses(
 def sample_and_score(model_cfg, reward_fn, params, prompts: Batch, key, *, samples=1, **sampling):
     """(rollout, response_valid [B, R], reward [B]): `samples` answers to each prompt of the batch
     `prompts` (`sample_responses`; rows in `jnp.repeat` order, B = samples x the prompts) and
-    `reward_fn` of them, which reads the whole response (tool tokens included)."""
+    `reward_fn` of them, which reads the model's final turn (`final_turn_mask`)."""
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, samples, axis=0), prompts)
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     out, valid = sample_responses(model_cfg, params, ids, mask, key, samples=samples, **sampling)
-    return out, valid, reward_fn(rows, out.response_ids, valid, eos_id=sampling["eos_id"])
+    read = final_turn_mask(out.response_mask, valid)
+    return out, valid, reward_fn(rows, out.response_ids, read, eos_id=sampling["eos_id"])
 
 
 def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False) -> Batch:
     """n samples of each prompt (one greedy answer with `greedy`), scored: `acc` is the task's
     reward, `scores` that after shaping (DAPO's overlong penalty) plus, in a multi-turn rollout,
-    the tools' rewards. The reward reads the whole response, tool tokens included
-    (`response_valid`); a multi-turn rollout also keeps `response_valid`, `rollout_log_prob`,
-    `tool_reward`, `num_turns`, `assistant_turns` and `tool_stats`."""
+    the tools' rewards. The reward reads the response; of a multi-turn one only the model's final
+    turn (`final_turn_mask`), never a tool's answer. A multi-turn rollout also keeps
+    `response_valid`, `rollout_log_prob`, `tool_reward`, `num_turns`, `assistant_turns` and
+    `tool_stats`."""
     cfg, n = spec.cfg, 1 if greedy else spec.n
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
     out, valid = sample_responses(
@@ -415,7 +429,8 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         )
     if multi or cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs
         exp["rollout_log_prob"] = out.log_probs
-    acc = spec.reward_fn(exp, out.response_ids, valid, eos_id=spec.eos_id)
+    read = final_turn_mask(out.response_mask, valid)
+    acc = spec.reward_fn(exp, out.response_ids, read, eos_id=spec.eos_id)
     scores, overlong = acc, cfg.reward.overlong_buffer
     if multi:
         scores = scores + out.tool_reward
@@ -652,10 +667,12 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
     """The policy's loss (with the value loss when the critic shares its backbone). `base`: the
     frozen base under LoRA (`params` are then the adapters), else None. `actor_on` (0 / 1): 0
     during critic warm-up, when only a shared value head's loss trains the network. `key`: the
-    micro-batch's randomness (LoRA dropout, then the policy loss's)."""
-    full = with_base(spec.cfg, base, params, key)
+    micro-batch's randomness, split between LoRA dropout and the policy loss (clip_cov), so no
+    draw of one is a draw of the other."""
+    dropout_key, loss_key = jax.random.split(key)
+    full = with_base(spec.cfg, base, params, dropout_key)
     out = forward(spec, spec.model_cfg, full, mb, "actor", with_entropy=True)
-    loss, metrics = policy_terms(spec, out, mb, counts["policy"], jax.random.fold_in(key, 1))
+    loss, metrics = policy_terms(spec, out, mb, counts["policy"], loss_key)
     if spec.shared:
         vf_loss, vf_metrics = value_terms(spec, out, mb, counts["value"])
         loss = actor_on * loss + spec.cfg.critic.vf_coef * vf_loss
