@@ -330,6 +330,24 @@ for address in ({path!r}, {abstract!r}):
 
 
 @needs_sandbox
+def test_a_program_that_closes_its_output_still_meets_the_wall_clock(guard):
+    """With stdout and stderr closed the host sees the end of the output at once: the program
+    runs on, and is killed at the wall-clock limit all the same."""
+    code = f"""
+import os, sys, time
+if os.fork() == 0:
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", {guard.marker!r}]
+    os.execv(sys.executable, argv)
+os.close(1)
+os.close(2)
+time.sleep(60)
+"""
+    t0 = time.monotonic()
+    answer = run_python(code, wall_s=1.5)
+    assert answer == "(killed after 1.5 s)" and time.monotonic() - t0 < 1.5 + 5
+
+
+@needs_sandbox
 def test_a_fifo_or_a_lingering_writer_cannot_block_the_host(guard):
     """Output files replaced by FIFOs (where the host would read files after the run), and a
     daemon keeping stdout open after the program exits: the call returns in time."""

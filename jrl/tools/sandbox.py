@@ -290,7 +290,7 @@ class _Run:
         args += ["--info-fd", str(passed[-1])]
         args += _mounts(binds, limits)
         for dest, data in files.items():
-            fd = os.memfd_create("sandbox-file", 0)
+            fd = os.memfd_create("sandbox-file")
             os.write(fd, data)
             os.lseek(fd, 0, os.SEEK_SET)
             passed.append(fd)
@@ -364,13 +364,19 @@ class _Run:
                         truncated |= len(out[key.fd]) > limits.output_bytes
                 if truncated:
                     break
+        status = None
+        if not (timed_out or truncated):  # both streams closed: the program may run on
+            try:
+                status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
         if timed_out or truncated:
             self._kill()
-        try:
-            status = proc.wait(timeout=_REAP_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            status = proc.wait()
+            try:
+                status = proc.wait(timeout=_REAP_S)
+            except subprocess.TimeoutExpired:  # bwrap itself stuck: its group, then wait
+                os.killpg(proc.pid, signal.SIGKILL)
+                status = proc.wait()
         oom = self.cgroups is not None and self.cgroups.oom_killed(self.cgroup_dirs)
         self.close()
         stdout, stderr = (bytes(out[f.fileno()]) for f in (proc.stdout, proc.stderr))
@@ -389,13 +395,13 @@ class _Run:
     def _kill(self) -> None:
         """SIGKILL to the namespace's init (the kernel kills the rest of the namespace), or to
         bwrap itself before it said which process that is (`--die-with-parent` does the rest)."""
-        if self.pidfd is not None:
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        else:
-            try:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        except ProcessLookupError:  # gone already
+            pass
 
     def close(self) -> None:
         for fd in self.fds:
