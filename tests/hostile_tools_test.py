@@ -426,6 +426,19 @@ def test_a_raising_format_is_an_error_not_a_crash(qwen):
     assert stat(result, "tool_errors") == [1] and stat(result, "tool_calls") == [1]
 
 
+def unpaired(text: str) -> str:
+    """Answers with a lone surrogate, which no tokenizer takes."""
+    return text + "\ud800"
+
+
+def test_an_answer_the_tokenizer_refuses_is_an_error(qwen):
+    host = hermes_host(qwen, tools_="calc,hostile_tools_test:unpaired")
+    result = pause(host, qwen, [call_text("unpaired", {"text": "x"})], r=4000)
+    (block,) = blocks(result, qwen)
+    assert block.startswith(TOOL_BLOCK.split("{}")[0] + "error: the answer could not be tokenized")
+    assert stat(result, "tool_errors") == [1] and result.finished.tolist() == [False]
+
+
 def test_parsing_is_linear_in_the_turn(qwen):
     """Openings without a closing: the time to parse 8000 grows as the text, not as its square
     (a lazy regex took 3.7 s on 8000); the host answers such a turn by ending the row."""

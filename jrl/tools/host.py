@@ -104,7 +104,8 @@ class ToolHost:
         self.num_workers = num_workers
         self._marker = fmt.encode(fmt.marker)
         n = self.max_parallel_calls
-        self.block_size = fmt.overhead(n) + n * (max_tool_response_length + _EDGE_SLACK)
+        overheads = [fmt.overhead(k) for k in range(1, n + 1)]  # every count rendered once, now
+        self.block_size = max(overheads) + n * (max_tool_response_length + _EDGE_SLACK)
 
     def result_shapes(self, batch_size: int) -> TurnResult:
         """The `jax.ShapeDtypeStruct`s of a TurnResult for `batch_size` rows."""
@@ -180,11 +181,13 @@ class ToolHost:
             try:
                 block, cut, budget_cut = self._block(texts, room=r - int(length[i]))
             except Exception as e:  # noqa: BLE001 - an answer the tokenizer cannot take
-                texts = [error_text(f"the answer could not be tokenized ({failure(e)})")] * len(
-                    texts
-                )
+                reason = error_text(f"the answer could not be tokenized ({failure(e)})")
                 out.stats[i, _COL["tool_errors"]] = len(texts)
-                block, cut, budget_cut = self._block(texts, room=r - int(length[i]))
+                try:
+                    block, cut, budget_cut = self._block([reason] * len(texts), r - int(length[i]))
+                except Exception:  # noqa: BLE001 - not even an error renders: the row ends
+                    out.finished[i] = True
+                    continue
             out.block_ids[i, : len(block)] = block
             out.block_len[i] = len(block)
             out.stats[i, _COL["tool_turns"]] = 1
@@ -267,18 +270,21 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
         fmt = formats.FORMATS.get(mt.format)(tokenizer, tools)
     except ValueError as e:  # FormatError, or an unknown format name
         raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
-    host = ToolHost(
-        fmt,
-        tools,
-        pad_id=tokenizer.pad_token_id,
-        max_response_length=max_response_length,
-        max_assistant_turns=mt.max_assistant_turns,
-        max_parallel_calls=mt.max_parallel_calls,
-        max_tool_response_length=mt.max_tool_response_length,
-        truncate_side=mt.tool_response_truncate_side,
-        tool_timeout=mt.tool_timeout,
-        num_workers=mt.num_workers,
-    )
+    try:
+        host = ToolHost(
+            fmt,
+            tools,
+            pad_id=tokenizer.pad_token_id,
+            max_response_length=max_response_length,
+            max_assistant_turns=mt.max_assistant_turns,
+            max_parallel_calls=mt.max_parallel_calls,
+            max_tool_response_length=mt.max_tool_response_length,
+            truncate_side=mt.tool_response_truncate_side,
+            tool_timeout=mt.tool_timeout,
+            num_workers=mt.num_workers,
+        )
+    except ValueError as e:  # FormatError: a number of answers the template cannot render
+        raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
     if host.block_size >= max_response_length:
         raise ConfigError(
             f"rollout.multi_turn: a block of tool answers takes up to {host.block_size} tokens "
