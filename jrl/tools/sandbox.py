@@ -9,9 +9,10 @@
     /proc of its PID namespace, a minimal /dev, and two small tmpfs, /tmp (the working directory,
     where `files` are written) and /dev/shm, as the only writable places. Nothing else of the
     host is there: no workdir, no checkpoints, no home, no sockets of host services;
-  - uid 65534 (nobody) with no capabilities and `no_new_privs`. Run by root, the processes are
-    uid 65534 outside the namespaces too (see `_RootUserns`); run by another user, they are that
-    user outside (the kernel allows no other mapping without privileges);
+  - uid 65534 (nobody) with no effective, permitted or ambient capabilities, `no_new_privs`,
+    `nosuid` mounts. Run by root, the processes are uid 65534 outside the namespaces too (see
+    `_map_root_userns`; the program's launcher drops to 65534 itself, see `run`); run by another
+    user, they are that user outside (the kernel allows no other mapping without privileges);
   - the whole process tree dies with the call: the namespace's init is killed at the wall-clock
     limit or when the output passes its cap (or when the trainer dies: `--die-with-parent`), and
     the kernel kills every process of a PID namespace whose init dies. The call returns after
@@ -22,9 +23,9 @@
     (tmpfs pages included) and its number of tasks; the rlimits of the program's launcher apply
     in any case (see jrl/tools/python_tool.py).
 
-`check()` raises ValueError, one line naming the fix, when the sandbox cannot be set up here
-(bwrap missing, user namespaces off); the python tool calls it when the tool host is built.
-docs/multi_turn.md states what is promised and what is not.
+`check_installed()` raises ValueError, one line naming the fix, when bwrap is missing; the
+python tool's `check_sandbox` runs a probe here when the tool host is built. docs/multi_turn.md
+states what is promised and what is not.
 """
 
 from __future__ import annotations
@@ -309,6 +310,9 @@ class _Run:
                 start_new_session=True,  # bwrap's own process group
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             )
+        except BaseException:
+            self.close()
+            raise
         finally:
             for fd in passed:
                 os.close(fd)
