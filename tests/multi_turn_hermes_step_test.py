@@ -74,14 +74,15 @@ def ids_of(tok, *tokens):
     return [tok.convert_tokens_to_ids(t) for t in tokens]
 
 
-def scripted_model(cfg, tok):
-    """(model config, params) of the scripted decoder (module docstring)."""
+def scripted_model(cfg, tok, bodies=BODIES):
+    """(model config, params) of the scripted decoder (module docstring) over `bodies` (the
+    first one a little likelier: greedy's choice)."""
     model_cfg = trainer.build(cfg)[3]
     model_cfg = dataclasses.replace(model_cfg, vocab_size=len(tok), tie_word_embeddings=False)
     params = jax.device_get(trainer.initial_params(cfg, model_cfg, jax.random.key(0)))
     h = model_cfg.hidden_size
     call, close, end = ids_of(tok, "<tool_call>", "</tool_call>", "<|im_end|>")
-    bodies = ids_of(tok, *BODIES.values())
+    bodies = ids_of(tok, *bodies.values())
     slots = [call, *bodies, close, end]  # slot 0: every other token
     embed = np.zeros((len(tok), h), np.float32)
     embed[:, 0] = 1.0
