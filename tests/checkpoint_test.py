@@ -206,7 +206,23 @@ def _delete_extra(step_dir):
     (step_dir / "extra" / "metadata").unlink()
 
 
-@pytest.mark.parametrize("corrupt", [_truncate_arrays, _delete_manifest, _delete_extra])
+def _overwrite_64_bytes(step_dir, item="state"):
+    """Bytes changed on disk, the sizes kept: orbax alone reads such a file without a word."""
+    files = [p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"]
+    big = max(files, key=lambda p: p.stat().st_size)
+    with open(big, "r+b") as f:
+        f.seek(big.stat().st_size // 2 - 32)
+        f.write(np.random.default_rng(0).bytes(64))
+
+
+def _drop_checksums(step_dir):
+    (step_dir / ckpt_lib.CHECKSUMS_FILE).unlink()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_truncate_arrays, _delete_manifest, _delete_extra, _overwrite_64_bytes, _drop_checksums],
+)
 def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
     with checkpointer(tmp_path) as ck:
         for s in (1, 2, 3):
@@ -224,6 +240,36 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
         "unreadable checkpoint" in r.getMessage() and str(newest) in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_each_checkpoint_lists_its_files_checksums(tmp_path, async_save):
+    """Written in orbax's commit (the tmp directory held no checksums before): every file of the
+    state / extra / meta items, with its size and CRC-32 as zlib computes it from the file."""
+    import json
+    import zlib
+
+    with checkpointer(tmp_path, async_save=async_save) as ck:
+        ck.save(1, make_state(with_ref=True), {"s": 1})
+    for step_dir in (tmp_path / "checkpoints" / "1", tmp_path / "reference" / "0"):
+        listed = json.loads((step_dir / ckpt_lib.CHECKSUMS_FILE).read_text())["files"]
+        files = [p for p in step_dir.rglob("*") if p.is_file() and p.parent != step_dir]
+        assert sorted(listed) == sorted(str(p.relative_to(step_dir)) for p in files)
+        assert {p.split("/")[0] for p in listed} >= {"meta"}
+        for p in files:
+            want = listed[str(p.relative_to(step_dir))]
+            assert want == {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())}
+        assert ckpt_lib.damage(step_dir) is None
+
+
+def test_a_damaged_reference_is_one_line(tmp_path):
+    with checkpointer(tmp_path) as ck:
+        ck.save(1, make_state(with_ref=True), {})
+    _overwrite_64_bytes(tmp_path / "reference" / "0", item="params")
+    with checkpointer(tmp_path) as ck, pytest.raises(ckpt_lib.CheckpointError) as e:
+        ck.restore_latest(jax.eval_shape(lambda: make_state(with_ref=True)))
+    assert "\n" not in str(e.value) and "reference params" in str(e.value)
+    assert "CRC-32 mismatch" in str(e.value) and "--fresh" in str(e.value)
 
 
 def test_unfinished_save_is_skipped_with_a_warning(tmp_path, caplog):
