@@ -350,6 +350,52 @@ def test_guard_sets_flag_and_restores_handlers(sig):
     assert ckpt_lib.Preempted(3).code == ckpt_lib.PREEMPTED_EXIT_CODE
 
 
+_STARTING = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from jrl.run import checkpoint as ckpt_lib
+
+with ckpt_lib.PreemptionGuard(at_once=True) as guard:
+    guard.on_exit.append(lambda: print("released", flush=True))
+    with guard.writing():
+        print("writing", flush=True)
+        with open({path!r}, "w") as f:
+            for i in range(10):
+                f.write(f"line {{i}}\\n")
+                f.flush()
+                time.sleep(0.1)
+    time.sleep(60)  # the start-up's long compile
+"""
+
+
+def test_a_signal_while_starting_exits_42_once_the_write_in_progress_ends(tmp_path):
+    path = tmp_path / "config.json"
+    script = _STARTING.format(repo=str(REPO), path=str(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # in the middle of the 1 s write
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == ckpt_lib.PREEMPTED_EXIT_CODE, err
+    assert time.monotonic() - t < 20  # not after the 60 s "compile"
+    assert path.read_text() == "".join(f"line {i}\n" for i in range(10))  # written whole
+    assert out.strip() == "released" and "SIGTERM while starting: exiting now" in err
+
+
+def test_the_first_signal_after_defer_is_a_request():
+    with ckpt_lib.PreemptionGuard(at_once=True) as guard:
+        called = []
+        guard.on_request.append(lambda: called.append(1))
+        guard.defer()
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: no exit
+        deadline = time.monotonic() + 5
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard.requested and called == [1]
+
+
 # A training loop in a child process: one "step" takes a while; the parent signals it.
 _LOOP = """
 import os, signal, sys, time

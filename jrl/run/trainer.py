@@ -396,13 +396,15 @@ def run(
     checkpoint.Preempted (after saving the step it stopped at, or, when a stop abandoned a
     step's reward, with the checkpoints committed before that step).
 
-    Signals: `guard` is a `checkpoint.PreemptionGuard(at_once=True)` already entered (the
-    command line enters one before anything else); default: one entered here. Until the first
-    step of this start is done a signal exits at once (status 42: nothing new to save, no file
-    half-written); from then on it stops the loop after the step, which is saved."""
+    Signals (SIGTERM, SIGINT): `guard` is a `checkpoint.PreemptionGuard` already entered; the
+    command line enters one with `at_once` before anything else: until the first step of this
+    start is done a signal exits at once (status 42: nothing new to save, no file half-written),
+    from then on it stops the loop after the step, which is saved. Default: one entered here
+    without `at_once` (a library caller's process is never ended by it): a signal while starting
+    stops the run after its first step."""
     with contextlib.ExitStack() as stack:
         if guard is None:
-            guard = stack.enter_context(checkpoint_lib.PreemptionGuard(at_once=True))
+            guard = stack.enter_context(checkpoint_lib.PreemptionGuard())
         return _run(cfg, workdir, fresh=fresh, allow_changes=allow_changes, guard=guard)
 
 
