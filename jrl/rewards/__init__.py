@@ -140,7 +140,9 @@ def get_reward(
     if ":" in name:
         if options:
             raise ValueError(f"user reward {name!r} takes no options; got {', '.join(options)}.")
-        score_fn = worker.ProcessScore(name, name=name, timeout_s=reward_timeout_s)
+        score_fn = worker.ProcessScore(
+            name, name=name, timeout_s=reward_timeout_s, error=RewardError
+        )
     else:
         entry = _lookup(name)
         if name in REWARDS:

@@ -8,7 +8,7 @@ trainer's `__main__` module and JAX again in the child) that loads this file alo
 library only) and the user's module. Requests and replies are pickles over its stdin / stdout;
 a reply is read back with an unpickler that builds nothing but plain Python values and numpy
 arrays, so no reply can run code in the trainer. Whatever the function does, the trainer goes on
-and the failure is named in one line (`RewardError`, from `jrl.rewards.python`):
+and the failure is named in one line (the `error` class it is given: `jrl.rewards.RewardError`):
 
   - it raises (anything, `sys.exit` and KeyboardInterrupt included): an exception of the same
     type name and message is raised in the trainer, so `checked_scores` names the sample as for
@@ -276,12 +276,6 @@ class _Process:
         return status
 
 
-def _reward_error(message: str) -> Exception:
-    from jrl.rewards.python import RewardError  # imported here: the worker reads this file alone
-
-    return RewardError(message)
-
-
 class ProcessScore:
     """A user score function "package.module:function" / "path/to/file.py:function" run in a
     worker process (see the module docstring).
@@ -290,11 +284,22 @@ class ProcessScore:
       path: where the function is (a "user:" prefix is allowed).
       name: the reward's name, for messages.
       timeout_s: time limit of one call (one batch), seconds; None: no limit.
+      error: the exception class of a failure that is not the function's own exception
+        (`jrl.rewards.RewardError`).
       startup_s: time limit for the worker to start and import the function.
     """
 
-    def __init__(self, path: str, *, name: str, timeout_s: float | None, startup_s=STARTUP_S):
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str,
+        timeout_s: float | None,
+        error: type[Exception] = ValueError,
+        startup_s: float = STARTUP_S,
+    ):
         self.path, self.name, self.timeout_s = path.removeprefix("user:"), name, timeout_s
+        self._error = error
         self._broken: str | None = None  # the message every call raises after a hard failure
         self._lock = threading.Lock()
         self._worker = self._start(startup_s)
@@ -328,12 +333,12 @@ class ProcessScore:
     def __call__(self, responses, ground_truths):
         with self._lock:
             if self._broken is not None:
-                raise _reward_error(self._broken)
+                raise self._error(self._broken)
             try:
                 reply = self._request(self._worker, [list(responses), list(ground_truths)])
             except _Hard as e:
                 self._broken = self._name_the_sample(e, responses, ground_truths)
-                raise _reward_error(self._broken) from None
+                raise self._error(self._broken) from None
         if reply[0] == "raised":
             raise _raised(reply[1], reply[2])
         return reply[1]
