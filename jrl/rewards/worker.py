@@ -23,9 +23,10 @@ and the failure is named in one line (the `error` class it is given: `jrl.reward
 
 The worker starts when the `ProcessScore` is made, which waits until it has imported the
 function (a one-line ValueError when that fails, as `jrl.rewards.math.import_path` words it). It
-runs in a session of its own (a Ctrl-C at the terminal reaches the trainer alone), ignores
-nothing, and ends when the trainer does: at end of input, or (Linux) by the parent-death signal
-when the trainer is killed outright.
+runs in a session of its own (a Ctrl-C at the terminal reaches the trainer alone), with
+`JAX_PLATFORMS=cpu` (a function that uses JAX computes on the host, leaving the accelerators to the
+trainer), and ends when the trainer does: at end of input, or (Linux) by the parent-death signal
+when the trainer is killed outright. Its prints go to the trainer's stderr.
 
 `Outcome` is the other half: the host callback of a Python reward (`jrl.rewards.python`) calls
 its score function through `Outcome.call`. By default an exception passes through (inside
@@ -242,6 +243,7 @@ class _Process:
     def __init__(self, path: str):
         here = os.path.abspath(__file__)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env["JAX_PLATFORMS"] = "cpu"  # a function that uses JAX must not take the trainer's GPU
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_CODE, here, path, str(os.getpid())],
             stdin=subprocess.PIPE,
