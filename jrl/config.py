@@ -265,7 +265,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.reward = ml_collections.ConfigDict()
     # time limit of one call (one batch) of a user reward function (task.reward="module:fn",
-    # run in a worker process); past it the run stops, naming the sample (exit status 5)
+    # run in a worker process); past it the run stops, naming the sample (exit status 5). On a
+    # CPU with several devices at most 15 s (jrl.run.trainer.reward_time_limit)
     c.reward.timeout_s = 300.0
     c.reward.overlong_buffer = ml_collections.ConfigDict()
     c.reward.overlong_buffer.enable = False  # DAPO soft overlong punishment of long responses

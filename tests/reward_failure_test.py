@@ -159,6 +159,20 @@ def test_a_stop_request_abandons_a_running_reward(task, faulty, monkeypatch):  #
         rewards.clear_stop()
 
 
+def test_a_cpu_mesh_cuts_a_user_reward_s_time_limit():
+    """XLA ends the process when a host callback holds 8 CPU devices at a collective for 60 s:
+    a user reward gets at most 15 s there (the tests' 8 host devices), jrl's own rewards keep
+    the setting (they run in process, without it)."""
+    from conftest import tiny_config
+    from jrl.run import trainer
+
+    assert jax.device_count() == 8 and jax.default_backend() == "cpu"
+    assert trainer.reward_time_limit(tiny_config(**{"task.reward": "mod:fn"})) == 15.0
+    assert trainer.reward_time_limit(tiny_config(**{"task.reward": "gsm8k"})) == 300.0
+    short = tiny_config(**{"task.reward": "mod:fn", "reward.timeout_s": 2.0})
+    assert trainer.reward_time_limit(short) == 2.0
+
+
 # ---------------------------------------------------------------------------- command line
 
 ROWS = [

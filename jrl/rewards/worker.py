@@ -2,22 +2,23 @@
 
 `ProcessScore("package.module:function", name=..., timeout_s=...)` is a score function
 `(responses, ground_truths) -> scores` that runs the user's function in a worker process: a
-fresh `python -c` process (started with `subprocess`, not forked from the trainer, whose JAX
-threads a fork would copy half-way; not `multiprocessing`'s spawn either, which imports the
-trainer's `__main__` module and JAX again in the child) that loads this file alone (standard
-library only) and the user's module. Requests and replies are pickles over its stdin / stdout;
-a reply is read back with an unpickler that builds nothing but plain Python values and numpy
-arrays, so no reply can run code in the trainer. Whatever the function does, the trainer goes on
-and the failure is named in one line (the `error` class it is given: `jrl.rewards.RewardError`):
+fresh `python -c` process (started with `subprocess`: not forked from the trainer, whose JAX
+threads a fork would copy half-way; not `multiprocessing`'s spawn or forkserver either, whose
+children import the trainer's `__main__` module, `jrl.train`, and JAX with it) that loads this
+file alone (standard library only) and the user's module. Requests and replies are pickles over
+its stdin / stdout; a reply is read back with an unpickler that builds nothing but plain Python
+values and numpy arrays, so no reply can run code in the trainer. Whatever the function does,
+the trainer goes on and the failure is named in one line (the `error` class it is given:
+`jrl.rewards.RewardError`):
 
   - it raises (anything, `sys.exit` and KeyboardInterrupt included): an exception of the same
     type name and message is raised in the trainer, so `checked_scores` names the sample as for
     an in-process function (it calls the function again one sample at a time);
   - its process ends (`os._exit`, a crash, the kernel's OOM killer) or it runs longer than
     `timeout_s`: the process is killed, a fresh one is started, and the batch's samples are
-    scored one at a time (each within `timeout_s`) until one fails the same way, which the
-    error names (the batch as a whole when none does alone); the `ProcessScore` then refuses
-    every later call with the same error;
+    scored one at a time (each within `timeout_s`, for at most `timeout_s` more) until one
+    fails the same way, which the error names (the batch as a whole when none does alone); the
+    `ProcessScore` then refuses every later call with the same error;
   - a stop was requested (`request_stop`, called on SIGTERM / SIGINT by the trainer) while it
     runs: the call gets `STOP_GRACE_S` more seconds, then raises `Stopped`.
 
@@ -397,11 +398,16 @@ class ProcessScore:
 
     def _name_the_sample(self, failure: _Hard, responses, ground_truths) -> str:
         """The one-line error of a hard failure: the samples are scored one at a time in a fresh
-        worker (each within the time limit) until one fails the same way."""
+        worker (each within `timeout_s`) until one fails the same way, starting no sample
+        `timeout_s` after the first (a call that timed out so ends within three times its
+        limit); the batch is named when none does."""
         where = f"a batch of {len(responses)} responses (no sample fails alone)"
+        end = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         worker = None
         try:
             for i, (r, g) in enumerate(zip(responses, ground_truths)):
+                if end is not None and time.monotonic() > end:
+                    break
                 if worker is None or worker.proc.poll() is not None:
                     worker = self._start(STARTUP_S)
                 try:

@@ -186,7 +186,7 @@ def _build(cfg):
         cfg.task.reward,
         task,
         tok,
-        reward_timeout_s=cfg.reward.timeout_s,
+        reward_timeout_s=reward_time_limit(cfg),
         **rewards.reward_options(cfg.task),
     )
     if len(tok) > policy_cfg.vocab_size:
@@ -196,6 +196,30 @@ def _build(cfg):
             f"model with a vocabulary of at least {len(tok)}."
         )
     return tok, task, reward_fn, policy_cfg
+
+
+# XLA's CPU collectives end the process (a fatal error, status 134) when one device waits for
+# the others at a collective for 60 s, as they do while a host callback runs; a user reward's
+# timed-out call can take three times its limit (jrl.rewards.worker: its sample is searched).
+CPU_MESH_REWARD_S = 15.0
+
+
+def reward_time_limit(cfg) -> float:
+    """`reward.timeout_s`; for a user reward on a CPU with several devices at most
+    CPU_MESH_REWARD_S (with a warning), so that a hanging one stops the run with its own
+    error."""
+    limit = cfg.reward.timeout_s
+    cpu_mesh = jax.default_backend() == "cpu" and jax.device_count() > 1
+    if ":" in cfg.task.reward and cpu_mesh and limit > CPU_MESH_REWARD_S:
+        logging.warning(
+            "reward.timeout_s=%g is cut to %g s on this CPU mesh of %d devices: XLA ends the "
+            "process when a host callback keeps the devices waiting for 60 s.",
+            limit,
+            CPU_MESH_REWARD_S,
+            jax.device_count(),
+        )
+        limit = CPU_MESH_REWARD_S
+    return limit
 
 
 def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
