@@ -28,7 +28,7 @@ from absl import app, flags
 import jax
 
 from jrl.run import checkpoint as checkpoint_lib
-from jrl.run import cli, console, trainer
+from jrl.run import cli, console, targets, trainer
 from jrl import config as config_lib
 from jrl.run import workdir as workdir_lib
 
@@ -85,6 +85,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     console.quiet_console(verbosity_given=flags.FLAGS["verbosity"].present)
+    targets.use_gpu_flags()  # before any device use (XLA reads XLA_FLAGS when it starts)
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
