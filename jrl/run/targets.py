@@ -249,6 +249,12 @@ def compile(fn, abstract_args, target: Target | None = None, mesh: Mesh | None =
             ),
             abstract_args,
         )
+    # A compile-only executable cannot be read back from the persistent compilation cache (no
+    # client to load it into): none is written while compiling for a target (the cache itself
+    # stays on: switching it off would keep it off for the process).
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    if target is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
         if mesh is None:
             return fn.lower(*abstract_args).compile()
@@ -259,6 +265,8 @@ def compile(fn, abstract_args, target: Target | None = None, mesh: Mesh | None =
             raise
         first = str(e).splitlines()[0].replace("RESOURCE_EXHAUSTED: ", "")
         raise DoesNotFit(f"{target.describe()}: {first}") from e
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
 
 
 # --- GPU ---------------------------------------------------------------------------------------
