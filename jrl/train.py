@@ -45,7 +45,7 @@ from absl import app, flags
 import jax
 
 from jrl.run import checkpoint as checkpoint_lib
-from jrl.run import cli, console, trainer
+from jrl.run import cli, console, targets, trainer
 from jrl import config as config_lib
 from jrl import rewards
 from jrl.run import workdir as workdir_lib
@@ -112,6 +112,7 @@ def main(argv):
 
 def _main(guard):
     console.quiet_console(verbosity_given=flags.FLAGS["verbosity"].present)
+    targets.use_gpu_flags()  # before any device use (XLA reads XLA_FLAGS when it starts)
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
