@@ -3,7 +3,8 @@ settings, `model=qwen2.5-0.5b`) whose chat template supports tools calls `calc` 
 format (docs/multi_turn.md): the prompt lists the tool (the template's `tools=`), the model writes
 `<tool_call>{"name": "calc", "arguments": {"expression": "48/2"}}</tool_call>` and ends its turn,
 the answer comes back as a `tool` message rendered by the same template, and the model goes on;
-the GSM8K reward reads the whole trajectory (the number after "####").
+the GSM8K reward reads the model's final turn, after the last tool answer, strictly: the number
+after "####" (a tool's answer is never read as the model's; docs/multi_turn.md).
 
 Run (local files; nothing is downloaded):
   python -m jrl.train --config=configs/gsm8k_tools.py \
@@ -44,4 +45,5 @@ def get_config(arg: str | None = None):
     c.rollout.multi_turn.tools = "calc"  # exact arithmetic (jrl/tools/calc.py)
     c.rollout.multi_turn.max_assistant_turns = 5  # up to four calls, then the answer
     c.rollout.multi_turn.max_tool_response_length = 64  # a number, or a one-line error
+    c.task.gsm8k_fallback = "none"  # strict: only a "####" answer counts (verl's gsm8k default)
     return c

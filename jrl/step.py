@@ -191,6 +191,18 @@ def last_token_scores(scores_B, response_mask_BR):
     return jax.nn.one_hot(last, r, dtype=jnp.float32) * scores_B[:, None]
 
 
+def final_turn_mask(response_mask_BR, valid_BR):
+    """[B, R] int32: what a reward reads of a multi-turn response, the model's final turn: its
+    model tokens (`response_mask` 1) after the last tool token (`valid` 1, `response_mask` 0);
+    the whole response of a row that called no tool (`response_mask` itself in a one-turn
+    rollout, where valid = response_mask). A tool's answer is never read as the
+    model's words (a policy would learn to let the tool state its answer)."""
+    r = response_mask_BR.shape[1]
+    tool = (valid_BR > 0) & (response_mask_BR == 0)
+    last_tool = jnp.max(jnp.where(tool, jnp.arange(r)[None], -1), axis=-1, keepdims=True)
+    return ((response_mask_BR > 0) & (jnp.arange(r)[None] > last_tool)).astype(jnp.int32)
+
+
 def overlong_penalty(length_B, max_new_tokens: int, buffer_len: int, penalty_factor: float):
     """DAPO's soft overlong punishment: 0 up to R - buffer_len tokens, then falling linearly to
     -penalty_factor at R: min(-(len - (R - buffer_len)) / buffer_len * factor, 0)."""
@@ -373,19 +385,21 @@ def sample_responses(
 def sample_and_score(model_cfg, reward_fn, params, prompts: Batch, key, *, samples=1, **sampling):
     """(rollout, response_valid [B, R], reward [B]): `samples` answers to each prompt of the batch
     `prompts` (`sample_responses`; rows in `jnp.repeat` order, B = samples x the prompts) and
-    `reward_fn` of them, which reads the whole response (tool tokens included)."""
+    `reward_fn` of them, which reads the model's final turn (`final_turn_mask`)."""
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, samples, axis=0), prompts)
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     out, valid = sample_responses(model_cfg, params, ids, mask, key, samples=samples, **sampling)
-    return out, valid, reward_fn(rows, out.response_ids, valid, eos_id=sampling["eos_id"])
+    read = final_turn_mask(out.response_mask, valid)
+    return out, valid, reward_fn(rows, out.response_ids, read, eos_id=sampling["eos_id"])
 
 
 def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False) -> Batch:
     """n samples of each prompt (one greedy answer with `greedy`), scored: `acc` is the task's
     reward, `scores` that after shaping (DAPO's overlong penalty) plus, in a multi-turn rollout,
-    the tools' rewards. The reward reads the whole response, tool tokens included
-    (`response_valid`); a multi-turn rollout also keeps `response_valid`, `rollout_log_prob`,
-    `tool_reward`, `num_turns`, `assistant_turns` and `tool_stats`."""
+    the tools' rewards. The reward reads the response; of a multi-turn one only the model's final
+    turn (`final_turn_mask`), never a tool's answer. A multi-turn rollout also keeps
+    `response_valid`, `rollout_log_prob`, `tool_reward`, `num_turns`, `assistant_turns` and
+    `tool_stats`."""
     cfg, n = spec.cfg, 1 if greedy else spec.n
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
     out, valid = sample_responses(
@@ -415,7 +429,8 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         )
     if multi or cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs
         exp["rollout_log_prob"] = out.log_probs
-    acc = spec.reward_fn(exp, out.response_ids, valid, eos_id=spec.eos_id)
+    read = final_turn_mask(out.response_mask, valid)
+    acc = spec.reward_fn(exp, out.response_ids, read, eos_id=spec.eos_id)
     scores, overlong = acc, cfg.reward.overlong_buffer
     if multi:
         scores = scores + out.tool_reward
@@ -522,10 +537,8 @@ def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
 
 
 def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
-    """Phase 2 (see above)."""
-    cfg, algo = spec.cfg, spec.cfg.algorithm
-    mask = exp["response_mask"]
-    b = mask.shape[0]
+    """Phase 2 (see above): the scoring forwards, then `estimate_advantages`."""
+    cfg, mask = spec.cfg, exp["response_mask"]
     names = ("input_ids", "attention_mask", "response_ids", "response_mask", "response_valid")
     rows = {k: exp[k] for k in names if k in exp}
     score = lambda r: score_forwards(spec, state, r)
@@ -536,6 +549,20 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
         exp["values"] = exp["values"] * mask
     if bypass_mode(cfg):
         exp["old_log_prob"] = exp["rollout_log_prob"] * mask
+    return estimate_advantages(spec, state, exp)
+
+
+def estimate_advantages(spec: StepSpec, state: TrainState, exp: Batch):
+    """Phase 2 after its forwards, in verl 0.9.1's trainer order: the score on each row's last
+    token, KL in the reward (over the response mask), rollout correction (IS weights; rejection
+    gives the losses, the whitening, the critic and the metrics a new mask, `policy_mask`), then
+    the estimator. The rewards stay zeroed with the mask from before rejection (`reward_mask`):
+    a group estimator sums a rejected row's score into its group, as verl's do; the token-level
+    ones drop rewards on rejected tokens, as verl's do (docs/algorithms.md#rollout-correction).
+    `exp` holds the rollout, its scores and the forwards' outputs (`old_log_prob`, ...)."""
+    cfg, algo, exp = spec.cfg, spec.cfg.algorithm, dict(exp)
+    mask = exp["response_mask"]
+    b = mask.shape[0]
     metrics = {}
     token_level_scores = last_token_scores(exp["scores"], mask)
     token_level_rewards, kl_coef = token_level_scores, state.kl_coef
@@ -564,7 +591,12 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     index = jnp.arange(b, dtype=jnp.int32) // spec.n  # the prompt (group) of each row
     given = {**exp, "index": index, "threshold": state.group_threshold}
     inputs = {k: given[k] for k in adv_lib.INPUTS if k in given}
-    adv = spec.estimator(token_level_rewards=token_level_rewards, response_mask=mask, **inputs)
+    adv = spec.estimator(
+        token_level_rewards=token_level_rewards,
+        response_mask=mask,
+        reward_mask=exp["response_mask"],
+        **inputs,
+    )
     metrics.update(adv["metrics"])
     exp.update(
         token_level_rewards=token_level_rewards,
@@ -635,10 +667,12 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
     """The policy's loss (with the value loss when the critic shares its backbone). `base`: the
     frozen base under LoRA (`params` are then the adapters), else None. `actor_on` (0 / 1): 0
     during critic warm-up, when only a shared value head's loss trains the network. `key`: the
-    micro-batch's randomness (LoRA dropout, then the policy loss's)."""
-    full = with_base(spec.cfg, base, params, key)
+    micro-batch's randomness, split between LoRA dropout and the policy loss (clip_cov), so no
+    draw of one is a draw of the other."""
+    dropout_key, loss_key = jax.random.split(key)
+    full = with_base(spec.cfg, base, params, dropout_key)
     out = forward(spec, spec.model_cfg, full, mb, "actor", with_entropy=True)
-    loss, metrics = policy_terms(spec, out, mb, counts["policy"], jax.random.fold_in(key, 1))
+    loss, metrics = policy_terms(spec, out, mb, counts["policy"], loss_key)
     if spec.shared:
         vf_loss, vf_metrics = value_terms(spec, out, mb, counts["value"])
         loss = actor_on * loss + spec.cfg.critic.vf_coef * vf_loss
@@ -810,20 +844,22 @@ def make_step(*args, **kwargs):
 def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
     """verl's data metrics of a scored batch: scores, rewards, advantages, returns, values,
     lengths; and a multi-turn batch's turns and tool calls (`multi_turn_metrics`). Lengths count
-    every response token, tool tokens included (verl's, from the attention mask); the rest is
-    over model tokens."""
+    every response token, tool tokens included (verl's, from the attention mask); rewards are
+    each row's sum; advantages, returns and values are over model tokens left after rollout
+    correction's rejection (`policy_mask`; verl's response_mask at that point)."""
     mask = exp["response_mask"]
+    kept = exp.get("policy_mask", mask)
     length = jnp.sum(exp.get("response_valid", mask), -1)
     prompt_length = jnp.sum(exp["attention_mask"], -1)
     metrics = {}
     metrics.update(_stats("critic/score", exp["scores"]))
     metrics.update(_stats("critic/rewards", jnp.sum(exp["token_level_rewards"] * mask, -1)))
-    metrics.update(_stats("critic/advantages", exp["advantages"], mask))
-    metrics.update(_stats("critic/returns", exp["returns"], mask))
+    metrics.update(_stats("critic/advantages", exp["advantages"], kept))
+    metrics.update(_stats("critic/returns", exp["returns"], kept))
     if "values" in exp:
-        metrics.update(_stats("critic/values", exp["values"], mask))
+        metrics.update(_stats("critic/values", exp["values"], kept))
         metrics["critic/vf_explained_var"] = group_lib.explained_variance(
-            exp["returns"], exp["values"], mask
+            exp["returns"], exp["values"], kept
         )
     metrics.update(_stats("response_length", length.astype(jnp.float32)))
     metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))

@@ -421,3 +421,88 @@ def test_peft_loads_the_adapter_export(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert '"max_abs_logit_diff"' in out.stdout
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["separate_critic", "shared_backbone"])
+def test_value_heads_train_in_float32_over_a_bfloat16_base(shared):
+    """A LoRA run holds its frozen base in the compute dtype, but the value head (trained in
+    full, on a separate critic or on the policy's backbone) has float32 master weights: one
+    optimizer update at a verl-like critic rate (1e-5, Adam's first step is lr * sign(g)) moves
+    every entry of it, where bfloat16 storage keeps entries whose step is under half an ulp."""
+    from jrl import step as step_lib
+    from jrl.run import trainer
+
+    cfg = tiny_config(
+        **{
+            "lora.rank": 4,
+            "model.dtype": "bfloat16",
+            "algorithm.adv_estimator": "gae",
+            "critic.share_backbone": shared,
+            "critic.lr": 1e-5,
+        }
+    )
+    _, _, _, model_cfg = trainer.build(cfg)
+    key = jax.random.key(0)
+    state = step_lib.init_state(cfg, model_cfg, trainer.initial_params(cfg, model_cfg, key), key)
+    assert state.ref_params["embed"].dtype == jnp.bfloat16  # the frozen base
+    params = state.params if shared else state.critic_params
+    opt_state = state.opt_state if shared else state.critic_opt_state
+    tx = step_lib.policy_optimizer(cfg) if shared else step_lib.make_optimizer(cfg.critic)
+    for name in lora.HEAD_KEYS:
+        assert params[name].dtype == jnp.float32, name
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    for name in lora.HEAD_KEYS:
+        grads[name] = jnp.asarray(rng.normal(size=params[name].shape), jnp.float32)
+    new, _ = step_lib.apply_grads(tx, grads, params, opt_state, None)
+    head = np.asarray(params["value_head"], np.float32)
+    moved = np.asarray(new["value_head"], np.float32) != head
+    assert moved.all(), f"{moved.sum()} of {moved.size} value-head entries moved"
+
+
+def test_dropout_and_the_policy_loss_draw_from_keys_of_their_own(monkeypatch):
+    """The update's micro-batch key is split between LoRA dropout and the policy loss: the key
+    clip_cov draws its uniforms from is neither the dropout key nor any projection's key derived
+    from it (`with_dropout`: fold_in(key, i) per projection)."""
+    from jrl import step as step_lib
+    from jrl.run import trainer
+
+    cfg = _grpo_lora_cfg()
+    cfg.lora.dropout = 0.2
+    cfg.actor.policy_loss = "clip_cov"
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task)
+    key = jax.random.key(1)
+    state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    seen = {}
+    with_base = step_lib.with_base
+
+    def recording_with_base(cfg_, base, trainable, dropout_key=None):
+        seen["dropout"] = dropout_key
+        return with_base(cfg_, base, trainable, dropout_key)
+
+    monkeypatch.setattr(step_lib, "with_base", recording_with_base)
+    spec = step_lib.make_spec(cfg, model_cfg, reward_fn, **ids)
+
+    def recording_loss(*args, key=None, **kwargs):
+        seen["loss"] = key
+        return policy_loss(*args, key=key, **kwargs)
+
+    policy_loss = spec.policy_loss
+    spec = dataclasses.replace(spec, policy_loss=recording_loss)
+    b, p, r = 4, 3, 5
+    rng = np.random.default_rng(0)
+    mb = {
+        "input_ids": jnp.full((b, p), 3, jnp.int32),
+        "attention_mask": jnp.ones((b, p), jnp.int32),
+        "response_ids": jnp.asarray(rng.integers(3, model_cfg.vocab_size, (b, r)), jnp.int32),
+        "response_mask": jnp.ones((b, r), jnp.int32),
+        "advantages": jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
+        "old_log_prob": jnp.full((b, r), -3.0),
+        "ref_log_prob": jnp.full((b, r), -3.2),
+    }
+    counts = step_lib.mini_batch_counts(spec, mb)
+    step_lib.actor_loss(state.params, mb, spec, counts, state.ref_params, 1, jax.random.key(7))
+    data = lambda k: tuple(np.asarray(jax.random.key_data(k)).tolist())
+    dropout = [seen["dropout"]] + [jax.random.fold_in(seen["dropout"], i) for i in range(16)]
+    assert data(seen["loss"]) not in {data(k) for k in dropout}

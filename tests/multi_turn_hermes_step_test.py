@@ -60,7 +60,7 @@ LOGIT = 30.0  # of the scripted next token; every other token has 0 (exp(-30): n
 
 
 def scripted_reward(batch, response_ids, response_mask, *, eos_id):
-    """The sum of the response's token ids (model and tool tokens) mod 3, halved: it differs
+    """The sum of the token ids it reads (the model's final turn) mod 3, halved: it differs
     between rows and is recomputed from the recorded responses by `score`."""
     return (jnp.sum(response_ids * response_mask, -1) % 3).astype(jnp.float32) / 2
 
@@ -74,14 +74,15 @@ def ids_of(tok, *tokens):
     return [tok.convert_tokens_to_ids(t) for t in tokens]
 
 
-def scripted_model(cfg, tok):
-    """(model config, params) of the scripted decoder (module docstring)."""
+def scripted_model(cfg, tok, bodies=BODIES):
+    """(model config, params) of the scripted decoder (module docstring) over `bodies` (the
+    first one a little likelier: greedy's choice)."""
     model_cfg = trainer.build(cfg)[3]
     model_cfg = dataclasses.replace(model_cfg, vocab_size=len(tok), tie_word_embeddings=False)
     params = jax.device_get(trainer.initial_params(cfg, model_cfg, jax.random.key(0)))
     h = model_cfg.hidden_size
     call, close, end = ids_of(tok, "<tool_call>", "</tool_call>", "<|im_end|>")
-    bodies = ids_of(tok, *BODIES.values())
+    bodies = ids_of(tok, *bodies.values())
     slots = [call, *bodies, close, end]  # slot 0: every other token
     embed = np.zeros((len(tok), h), np.float32)
     embed[:, 0] = 1.0
@@ -158,8 +159,10 @@ def refused(names) -> int:
 
 
 def score(response) -> float:
-    """scripted_reward of a whole response (model and tool tokens), in numpy."""
-    return float(np.sum(response) % 3) / 2
+    """scripted_reward of what the reward reads of a response, in numpy: the model's final turn,
+    its last assistant turn (every row ends at the pause of that 4-token turn, its call not run)
+    after the last tool block."""
+    return float(np.sum(response[-4:]) % 3) / 2
 
 
 def make(tok, on_mesh: bool = False, **changes):

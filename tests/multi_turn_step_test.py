@@ -137,15 +137,22 @@ def tool_tokens(exp):
 
 def test_the_experience_of_a_multi_turn_rollout(scored):
     """Tool tokens exist in later turns (model tokens after them); the masks nest; the reward got
-    the whole response: varied_reward of response_valid, plus the tools' rewards (calc: 0)."""
+    the model's final turn (its tokens after the last tool token, written out here in numpy):
+    varied_reward of those, plus the tools' rewards (calc: 0)."""
     _, _, exp = scored
     tool = tool_tokens(exp)
     model_after_tool = (exp["response_mask"] == 1) & (np.cumsum(tool, -1) > 0)
     assert tool.sum() > 0 and model_after_tool.sum() > 0
     assert np.all(exp["response_valid"] >= exp["response_mask"])
     assert np.all(exp["rollout_log_prob"][tool] == 0)
-    ids, valid = exp["response_ids"], exp["response_valid"]
-    want = (np.sum(ids * valid, -1) % 3) / 2 + exp["tool_reward"]
+    ids, model = np.asarray(exp["response_ids"]), np.asarray(exp["response_mask"])
+    final = model.copy()
+    for b in range(len(final)):
+        tool_at = np.flatnonzero(tool[b])
+        if len(tool_at):
+            final[b, : tool_at[-1] + 1] = 0
+    assert (final.sum(-1) < model.sum(-1)).any()  # some rows' earlier turns are not read
+    want = (np.sum(ids * final, -1) % 3) / 2 + exp["tool_reward"]
     np.testing.assert_allclose(exp["scores"], want, rtol=0, atol=0)
     assert exp["num_turns"].min() >= 2 and exp["assistant_turns"].max() >= 2
 

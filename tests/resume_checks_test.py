@@ -3,10 +3,12 @@ resume with a field that changes the maths or with changed data stops with exit 
 diff (before the step compiles or anything is written), unless --allow_changes or the field is
 safe."""
 
+import fnmatch
 import hashlib
 import json
 
 from cli_helpers import TINY, cache_env, last_line, run
+from jrl import config as config_lib
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import console
 from jrl.run import workdir as workdir_lib
@@ -84,6 +86,19 @@ def test_changes_lists_math_fields_and_inputs_not_safe_fields(tmp_path):
     del saved["rollout"]["n"]  # a field jrl did not have when the run started: not compared
     del saved[workdir_lib.FINGERPRINTS_KEY]  # a workdir without fingerprints: data not compared
     assert workdir_lib.changes(saved, cfg, moved) == ["actor.lr 0.0002 -> 0.001"]
+
+
+def test_resume_safe_fields_name_the_configs_own_fields():
+    """Each pattern of what a resume may change matches a field of base_config (a renamed or
+    removed field, or a section that is not there, is refused), and the run-steering fields
+    are among them: a resume may change how many answers an eval shows (eval_samples)."""
+    fields = config_lib.flat_keys(config_lib.base_config())
+    for pattern in config_lib.resume_safe_fields():
+        assert fnmatch.filter(fields, pattern), pattern
+    saved = json.loads(workdir_lib.config_json(tiny_config(), {}))
+    changed = tiny_config(**{"eval_samples": 2, "eval_every": 3, "checkpoint.max_to_keep": 1})
+    assert workdir_lib.changes(saved, changed, {}) == []
+    assert workdir_lib.changes(saved, tiny_config(seed=5), {}) == ["seed 0 -> 5"]
 
 
 def test_check_resume_raises_one_line_or_warns_with_allow_changes(tmp_path, caplog):

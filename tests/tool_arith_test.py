@@ -1,11 +1,13 @@
 """The tool_arith task (jrl/data/tool_arith.py): its warm-up demonstrations and their masks, the
 final-answer reward on completions with tool blocks, and the tool_math config."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jrl import config as config_lib
 from jrl import data
+from jrl import step as step_lib
 from jrl.data.arithmetic import ArithmeticTask, Problems
 from jrl.data.tool_arith import ToolArithTask
 from jrl.rewards import arithmetic_final_answer, final_answer_match
@@ -93,15 +95,21 @@ def test_warmup_batches_carry_demonstrations_and_rl_batches_do_not(tok):
     assert (every["sft_ids"][:, 0] == CHAR_VOCAB.index("<")).all()
 
 
-END = CHAR_VOCAB.index(";")
-
-
 def _row(parts, width=24):
-    """(ids, valid) of a response: the text up to "|", then padding (valid 0); "$" is eos."""
+    """(ids, reward mask) of a response: the text up to "|", then padding; "$" is eos; a block
+    "=...;" is the tool's (response_mask 0, valid 1), the rest the model's. The reward mask is
+    what the step hands the reward: `step.final_turn_mask` of the two."""
     text, _, pad = parts.partition("|")
     row = [EOS_ID if ch == "$" else CHAR_VOCAB.index(ch) for ch in text + pad]
-    valid = [1] * len(text) + [0] * len(pad)
-    return row + [PAD_ID] * (width - len(row)), valid + [0] * (width - len(valid))
+    model, in_block = [], False
+    for ch in text:
+        in_block = in_block or ch == "="
+        model.append(0 if in_block else 1)
+        in_block = in_block and ch != ";"
+    valid = [1] * len(text) + [0] * (width - len(text))
+    model = model + [0] * (width - len(text))
+    mask = step_lib.final_turn_mask(jnp.asarray([model]), jnp.asarray([valid]))[0]
+    return row + [PAD_ID] * (width - len(row)), np.asarray(mask).tolist()
 
 
 @pytest.mark.parametrize(
@@ -113,6 +121,7 @@ def _row(parts, width=24):
         ("56088$|7", 1.0),  # padding after the end is ignored
         ("56088$7", 1.0),  # as is anything after the first eos
         ("<123*456>=56088;$", 0.0),  # no final answer
+        ("<123*456>=56088;", 0.0),  # the tool's answer alone, the row cut after it
         ("<123*456>=56088;56088", 0.0),  # no eos (the row was cut)
         ("<123*456>=56088;5608$", 0.0),
         ("<123*456>=56088;056088$", 0.0),
@@ -124,29 +133,19 @@ def _row(parts, width=24):
     ],
 )
 def test_final_answer_reward_on_hand_made_completions(text, score):
-    row, valid = _row(text)
-    batch = {
-        "answer_ids": np.array([ids("56088") + [EOS_ID]]),
-        "answer_len": np.array([5]),
-        "tool_end_id": np.array([END]),
-    }
-    got = arithmetic_final_answer(batch, np.array([row]), np.array([valid]), eos_id=EOS_ID)
+    row, mask = _row(text)
+    batch = {"answer_ids": np.array([ids("56088") + [EOS_ID]]), "answer_len": np.array([5])}
+    got = arithmetic_final_answer(batch, np.array([row]), np.array([mask]), eos_id=EOS_ID)
     assert got.tolist() == [score]
 
 
 def test_final_answer_reward_batched_and_at_the_row_end():
     """Rows scored independently; an answer whose eos fills the last slot counts."""
     rows = [_row(t, width=12) for t in ("<3*4>=12;12$", "12$", "<3*4>=12;1$", "<3*4>=12;12")]
-    ids_, valid = (np.array(x) for x in zip(*rows))
+    ids_, mask = (np.array(x) for x in zip(*rows))
     answers = np.array([ids("12") + [EOS_ID]] * 4)
-    got = final_answer_match(ids_, valid, answers, np.full(4, 2), np.full(4, END), eos_id=EOS_ID)
+    got = final_answer_match(ids_, mask, answers, np.full(4, 2), eos_id=EOS_ID)
     assert got.tolist() == [1.0, 1.0, 0.0, 0.0]
-
-
-def test_task_batches_name_the_block_end_for_the_reward(tok):
-    task = ToolArithTask(tok, num_digits=3, ops=("*",), eval_size=4)
-    assert task.eval_batch()["tool_end_id"].tolist() == [END] * 4
-    assert task.train_batch(0, 3)["tool_end_id"].tolist() == [END] * 3
 
 
 def test_tool_math_config_and_its_no_tools_run():

@@ -6,6 +6,7 @@ Qwen's tool style (tool answers as `<tool_response>` blocks in a user turn)."""
 
 import json
 import re
+import shutil
 import time
 
 import numpy as np
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from jrl import config, tools
 from jrl.tokenizer import char_tokenizer
-from jrl.tools import calc, python_tool
+from jrl.tools import calc, python_tool, sandbox
 from jrl.tools.host import STAT_NAMES, make_tool_host
 from jrl.tools.metrics import multi_turn_metrics
 
@@ -530,11 +531,12 @@ def test_multi_turn_metrics_by_hand():
 # ------------------------------------------------------------------------------- the python tool
 
 
+@pytest.mark.skipif(
+    shutil.which(sandbox.BWRAP) is None,
+    reason="the python tool's sandbox needs bwrap: apt-get install bubblewrap",
+)
 def test_python_tool_limits():
-    try:
-        python_tool.check_sandbox()
-    except ValueError as e:
-        pytest.skip(str(e))
+    python_tool.check_sandbox()  # bwrap is here: a sandbox that does not start is a failure
     run = python_tool.run_python
     assert run("print(6 * 7)") == "42"
     assert run("print(1)\n1/0") == "1\nZeroDivisionError: division by zero\n(exit status 1)"
@@ -544,12 +546,32 @@ def test_python_tool_limits():
     assert run("import time\ntime.sleep(30)", wall_s=0.5) == "(killed after 0.5 s)"
     assert run("x = bytearray(2 << 30)", memory_mb=256) == "MemoryError\n(exit status 1)"
     assert run("print('a' * 10000)", output_chars=8) == "aaaaaaaa\n(output truncated)"
+    assert run("import os\nprint(os.getuid(), os.getcwd(), os.listdir('.'))") == (
+        "65534 /tmp ['prog.py']"
+    )
 
 
-def test_python_tool_is_refused_without_a_sandbox(qwen, monkeypatch):
-    monkeypatch.setattr(python_tool, "SANDBOX", ("false",))
-    with pytest.raises(config.ConfigError, match="^rollout.multi_turn.tools: python: .*unshare"):
-        make_tool_host(multi_turn_config(tools="calc,python"), qwen, max_response_length=999)
+def test_python_tool_is_refused_without_a_sandbox(qwen, monkeypatch, tmp_path):
+    """Checked when the host is built: no bwrap, or a bwrap that cannot make namespaces (what
+    bwrap says where the kernel does not allow them), is one line naming the fix."""
+    build = lambda: make_tool_host(  # noqa: E731
+        multi_turn_config(tools="calc,python"), qwen, max_response_length=999
+    )
+    monkeypatch.setattr(sandbox, "BWRAP", "no-such-bwrap")
+    with pytest.raises(
+        config.ConfigError,
+        match="^rollout.multi_turn.tools: python: .*install bubblewrap: apt-get install bubblewrap",
+    ):
+        build()
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\necho 'bwrap: No permissions to create a new namespace, likely because the "
+        "kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox, "BWRAP", str(fake))
+    with pytest.raises(config.ConfigError, match=r"No permissions .*: enable user namespaces"):
+        build()
 
 
 def test_gsm8k_tools_config_lists_the_tools_in_its_chat_prompts(qwen, tmp_path):

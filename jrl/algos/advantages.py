@@ -14,7 +14,13 @@ Conventions (verl's token alignment):
   * The sequence score of a row is s_b = sum_t r[b, t] * mask[b, t].
 
 Masking rules (applied once, by the function `make_estimator` returns):
-  * inputs are zeroed where mask == 0 before anything else, so garbage there never matters;
+  * token inputs are zeroed where mask == 0 before anything else, so garbage there never
+    matters; `token_level_rewards` are zeroed outside `reward_mask` instead (default: the
+    response mask). Under rollout correction's rejection the step passes the mask from before
+    rejection there and the rejected one as `response_mask`, as verl's trainer does: the group
+    estimators sum each row's rewards unmasked (a rejected last token keeps its row's score in
+    the group statistics), while GAE, REINFORCE++, ReMax, the optimal token baselines and
+    GROUP-PPO ignore rewards where response_mask == 0, as verl's functions do;
   * both outputs are exactly 0 where mask == 0. verl leaves non-zero junk at some masked positions
     (GAE's whitened advantages and returns on padding, remax inside holes); jrl zeros them. Valid
     positions are unaffected;
@@ -148,7 +154,7 @@ def _prepare(name: str, x, mask):
 def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
     """The estimator named by `algorithm.adv_estimator`, its parameters bound from the section:
 
-        fn(*, token_level_rewards, response_mask, **inputs)
+        fn(*, token_level_rewards, response_mask, reward_mask=None, **inputs)
         -> {"advantages", "returns", "critic_mask", "next_threshold", "metrics", ...}
 
       advantages [B, T], returns [B, T]  0 where response_mask == 0, no gradient
@@ -158,7 +164,9 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
       next_threshold                     group_ppo: the adapted threshold for the next step;
                                          others: `threshold` as passed (None if not passed)
     plus estimator-specific extras (group_ppo: "token_returns" [B, T], the per-token GAE returns).
-    `inputs` are any of INPUTS by name (`index` [B], each row's group id; `values`,
+    `reward_mask` (default response_mask) is where the rewards were placed: the response mask
+    before rollout correction's rejection (see the masking rules above). `inputs` are any of
+    INPUTS by name (`index` [B], each row's group id; `values`,
     `old_log_prob`, ... [B, T]; `threshold`, a float32 scalar: pass the train state's always, so
     switching estimators needs no other change); an input the estimator reads (`needs`) and
     cannot run without raises ValueError when missing, an unknown name TypeError.
@@ -168,7 +176,11 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
     params = estimator_params(algorithm)
 
     def estimate(
-        *, token_level_rewards: jax.Array, response_mask: jax.Array, **inputs
+        *,
+        token_level_rewards: jax.Array,
+        response_mask: jax.Array,
+        reward_mask: jax.Array | None = None,
+        **inputs,
     ) -> dict[str, Any]:
         unknown = set(inputs) - set(INPUTS)
         if unknown:
@@ -180,7 +192,9 @@ def make_estimator(algorithm) -> Callable[..., dict[str, Any]]:
         chex.assert_rank(mask, 2)
         chex.assert_equal_shape([mask, token_level_rewards])
         inputs = {k: _prepare(k, inputs.get(k), mask) for k in INPUTS}
-        rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), mask)
+        reward_mask = mask if reward_mask is None else jnp.asarray(reward_mask, jnp.float32)
+        chex.assert_equal_shape([mask, reward_mask])
+        rewards = zero_masked(jnp.asarray(token_level_rewards, jnp.float32), reward_mask)
 
         out = entry.fn(token_level_rewards=rewards, response_mask=mask, **inputs, **params)
         if not isinstance(out, Mapping):
@@ -353,7 +367,7 @@ def remax(*, token_level_rewards, response_mask, reward_baselines, **_):
     A_t = returns_t - b * mask_t, b = `reward_baselines` [B], the reward of the greedy response
     to the same prompt.
     """
-    returns = reward_to_go(token_level_rewards)
+    returns = reward_to_go(token_level_rewards * response_mask)
     return returns - _broadcast(reward_baselines, response_mask), returns
 
 
@@ -476,7 +490,7 @@ def _optimal_token_baseline(
     advantages are scattered back to the tokens' own positions. Identical to packed=False for
     right-padded rows without holes and empty rows.
     """
-    returns = reward_to_go(token_level_rewards)
+    returns = reward_to_go(token_level_rewards * response_mask)
     w_cum = _path_variance(old_log_prob, sum_pi_squared, rollout_is_weights, response_mask)
     if not packed:
         members = jnp.ones(response_mask.shape[:1], bool)

@@ -2,9 +2,8 @@
 its problems, how to answer with a tool call (the `compact` format of docs/multi_turn.md).
 
 Prompts, RL batches, the eval split and the reward's reference (`answer_ids` / `answer_len`, the
-final answer) are `ArithmeticTask`'s; every batch also has `tool_end_id` [Bp] int32, the token
-that ends a tool block (`;`), after whose last one the reward reads the final answer. The warm-up
-batches (stream `WARMUP_STREAM`) also carry the
+final answer) are `ArithmeticTask`'s; the reward reads the model's final turn, after the last
+tool block (`;` ends one). The warm-up batches (stream `WARMUP_STREAM`) also carry the
 warm-up's own targets: for a `tool_demos` share of their rows a demonstration
 
     37*48=  ->  <37*48>=1776;1776<eos>      model: <37*48>   tool: =1776;   model: 1776<eos>
@@ -24,7 +23,7 @@ stays small.
 
 Which rows are demonstrations is a function of (seed, step), from a stream of its own, so the
 problems themselves are the arithmetic task's. The reward for this task is
-"arithmetic_final_answer": the answer after the last tool block.
+"arithmetic_final_answer": the model's answer after the last tool block.
 """
 
 from typing import Optional, Sequence
@@ -98,13 +97,7 @@ class ToolArithTask(ArithmeticTask):
             max_response_length=max_response_length or need,
             **kwargs,
         )
-        (self.tool_end_id,) = encode(END)
 
-    def encode(self, problems: Problems) -> dict:
-        """`ArithmeticTask.encode` with `tool_end_id` [N] for the reward."""
-        batch = super().encode(problems)
-        batch["tool_end_id"] = np.full(len(batch["input_ids"]), self.tool_end_id, np.int32)
-        return batch
 
     def train_batch(
         self, step: int, batch_size: int, stream: int = 0, rows: slice = slice(None)

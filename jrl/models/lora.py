@@ -30,6 +30,7 @@ weights (export); `peft_tensors` / `peft_config` write them in PEFT's format
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -94,10 +95,13 @@ def init_adapters(base, targets, rank: int, key) -> dict:
 
 
 def init_trainable(params, lora_cfg, key) -> tuple[dict, dict]:
-    """(frozen base, trainable) of a model's `params` under `lora_cfg` (`cfg.lora`)."""
+    """(frozen base, trainable) of a model's `params` under `lora_cfg` (`cfg.lora`). The value
+    head, trained in full, gets float32 master weights whatever the base's dtype (a run holds
+    the base in the compute dtype): in bfloat16, Adam steps under half an ulp of an entry would
+    be lost."""
     base, heads = split(params)
     adapters = init_adapters(base, target_list(lora_cfg.target_modules), lora_cfg.rank, key)
-    return base, {"lora": adapters, **heads}
+    return base, {"lora": adapters, **jax.tree.map(lambda x: x.astype(jnp.float32), heads)}
 
 
 def _scaled(adapters, s: float):
@@ -256,9 +260,9 @@ def init_lora(cfg, critic_cfg, params, key):
     base, trainable = init_trainable(params, cfg.lora, jax.random.fold_in(key, 1))
     critic = None
     if critic_cfg is not None:  # its own adapters on the same base, and a fresh value head
-        _, head = split(transformer.init_params(critic_cfg, key))
-        _, critic = init_trainable(base, cfg.lora, jax.random.fold_in(key, 2))
-        critic.update(head)
+        float32 = dataclasses.replace(critic_cfg, param_dtype="float32")
+        _, head = split(transformer.init_params(float32, key))
+        _, critic = init_trainable({**base, **head}, cfg.lora, jax.random.fold_in(key, 2))
     return trainable, critic, base
 
 

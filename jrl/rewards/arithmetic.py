@@ -51,26 +51,19 @@ def first_line(responses, ground_truths) -> list[float]:
     return [float(r.split("\n", 1)[0] == g) for r, g in zip(responses, ground_truths)]
 
 
-def final_answer_match(response_ids, response_mask, answer_ids, answer_len, end_id, *, eos_id: int):
-    """`exact_match` of the response's final answer: the tokens after the last tool block, whose
-    last token is `end_id` (`;` of the compact format), so `<37*48>=1776;1776<eos>` scores 1 for
-    1776. The response is read whole, tool tokens included (`response_mask` 1 on model and tool
-    tokens: the multi-turn rollout's `valid`).
-
-    With E the first eos (response_ids == eos_id where response_mask is 1; R if none), the final
-    answer starts at S = 1 + the last position before E holding `end_id[b]` (0 if none) and must
-    be the answer followed by that eos. A response without a tool block is scored as by
-    `exact_match`. `end_id`: [B] int; the other arguments as there.
-    """
-    chex.assert_rank([response_ids, response_mask, end_id], [2, 2, 1])
+def final_answer_match(response_ids, response_mask, answer_ids, answer_len, *, eos_id: int):
+    """`exact_match` of the tokens `response_mask` marks, moved to the front: the reward of the
+    `tool_arith` task, which the step hands the model's final turn of a multi-turn response (its
+    tokens after the last tool block: `jrl.step.final_turn_mask`), so `<37*48>=1776;1776<eos>`
+    scores 1 for 1776 on the model's `1776<eos>`, never on the tool's `=1776;`. A response
+    without a tool block is scored as by `exact_match`. Arguments as there."""
+    chex.assert_rank([response_ids, response_mask], [2, 2])
     chex.assert_equal_shape([response_ids, response_mask])
     ids, mask = jnp.asarray(response_ids), jnp.asarray(response_mask) > 0
     r = ids.shape[1]
     t = jnp.arange(r)[None, :]  # [1, R]
-    first_eos = jnp.min(jnp.where((ids == eos_id) & mask, t, r), axis=1, keepdims=True)  # [B, 1]
-    ends = (ids == jnp.asarray(end_id)[:, None]) & mask & (t < first_eos)
-    start = 1 + jnp.max(jnp.where(ends, t, -1), axis=1, keepdims=True)  # [B, 1]
-    src = jnp.minimum(start + t, r - 1)  # [B, R]: the final answer moved to position 0
+    start = jnp.argmax(mask, axis=1)[:, None]  # the final turn's first token (0 if none)
+    src = jnp.minimum(start + t, r - 1)  # [B, R]: the final turn moved to position 0
     shifted_ids = jnp.take_along_axis(ids, src, axis=1)
     shifted_mask = jnp.take_along_axis(mask, src, axis=1) & (start + t < r)
     return exact_match(
@@ -80,12 +73,7 @@ def final_answer_match(response_ids, response_mask, answer_ids, answer_len, end_
 
 def arithmetic_final_answer(batch, response_ids, response_mask, *, eos_id: int):
     """Registry form of `final_answer_match` (the `tool_arith` task's reward): `batch` has
-    `answer_ids`, `answer_len` and `tool_end_id` [B], the token that ends a tool block."""
+    `answer_ids` and `answer_len`."""
     return final_answer_match(
-        response_ids,
-        response_mask,
-        batch["answer_ids"],
-        batch["answer_len"],
-        batch["tool_end_id"],
-        eos_id=eos_id,
+        response_ids, response_mask, batch["answer_ids"], batch["answer_len"], eos_id=eos_id
     )

@@ -328,6 +328,7 @@ def decode_report(
     greedy: bool = False,
     decode_attention: str | None = None,
     compile_fn: CompileFn | None = None,
+    device: str | None = None,
     timing: bool = True,
 ) -> dict:
     """The decode report of `cfg` (see the module doc). `fill`: the cache slots the step's token
@@ -335,7 +336,8 @@ def decode_report(
     the config's sampler; `decode_attention`: the model's decode attention instead of its own
     ("blockwise"; "xla": the materialised reference); `compile_fn(jitted, abstract_args) ->
     compiled`: how to compile (default: for the local device; a TPU target's compile plugs in
-    here); `timing`: time the real rollout when the local device is a GPU or TPU."""
+    here: `jrl.run.targets.compile`) and `device` what it compiles for (default: the local
+    device); `timing`: time the real rollout when the local device is a GPU or TPU."""
     shape = Shape(cfg, decode_attention)
     fill = shape.p + shape.r // 2 if fill is None else fill
     if not shape.p < fill <= shape.p + shape.r:
@@ -366,7 +368,7 @@ def decode_report(
         "dtype": shape.model_cfg.dtype,
         "decode_attention": shape.model_cfg.decode_attention,
         "sampler": "greedy (argmax)" if greedy else "the config's (rollout.sample_token)",
-        "device": _device_kind(args),
+        "device": device or _device_kind(args),
         "compile_s": round(compile_s, 1),
         "bytes": int(nbytes),
         "flops": int(flops),

@@ -13,7 +13,8 @@
   (data files, HF checkpoint, tokenizer directory: size, modification time, SHA-256 of the first
   and last MiB). A resume compares both with the config and files it is given; a change of a field
   that alters the maths, or of an input's size or content, stops with `ChangedInputsError`
-  (exit 2) and a one-line diff, unless `--allow_changes`. Fields in `SAFE_FIELDS` may change.
+  (exit 2) and a one-line diff, unless `--allow_changes`. The fields of
+  `config.resume_safe_fields()` may change.
 - **Write errors.** An OSError (a full disk, a quota, a read-only remount) while writing a
   checkpoint, `config.json` or metrics becomes `WriteError` naming the path (exit status 4); the
   checkpoints that had committed stay valid and the next start resumes from the newest.
@@ -48,35 +49,6 @@ WRITE_ERROR_EXIT_CODE = 4
 LEASE_TTL_S = 120.0  # a gs:// lease not renewed for this long may be taken over
 LEASE_RENEW_S = 30.0  # how often the holder renews it
 _HASHED_BYTES = 1 << 20  # fingerprints hash the first and the last MiB of each file
-
-# Config fields that may change between a run and its resume (glob patterns): they change how
-# long the run goes, how often it evaluates or saves, what it logs, or how the same step is laid
-# out on the devices (mesh, memory settings), not what a step computes. The input paths are
-# compared by their files' fingerprints, so moving the files is not a change.
-SAFE_FIELDS = (
-    "total_steps",
-    "eval_every",
-    "checkpoint.*",
-    "logging.*",
-    "nan_guard.*",
-    "mesh.*",
-    "model.remat",
-    "model.attention",
-    "model.attention_block_size",
-    "model.logits_chunk_size",
-    "model.shared_prompt_forward",
-    "model.response_buckets",
-    "*.ppo_micro_batch_size_per_device",
-    "rollout.log_prob_micro_batch_size_per_device",
-    "rollout.compact_decode",
-    "rollout.compact_min_rows",
-    "task.math_workers",
-    "model.hf_path",
-    "tokenizer",
-    "task.train_files",
-    "task.eval_files",
-)
-
 
 class InUseError(config_lib.ConfigError):
     """Another live run holds the workdir."""
@@ -135,10 +107,12 @@ def writing(path):
 
 
 class Guarded:
-    """`target` with calls of its methods `methods` (default: all) inside `writing(path)`."""
+    """`target` with calls of its methods `methods` (default: all) inside `writing(path)`, and
+    inside `hold()` when given (e.g. a PreemptionGuard's `writing`: no exit in mid-write)."""
 
-    def __init__(self, target, path, methods: tuple[str, ...] | None = None):
+    def __init__(self, target, path, methods: tuple[str, ...] | None = None, hold=None):
         self._target, self._path, self._methods = target, path, methods
+        self._hold = hold or contextlib.nullcontext
 
     def __getattr__(self, name):
         attr = getattr(self._target, name)
@@ -147,7 +121,7 @@ class Guarded:
 
         @functools.wraps(attr)
         def call(*args, **kwargs):
-            with writing(self._path):
+            with writing(self._path), self._hold():
                 return attr(*args, **kwargs)
 
         return call
@@ -469,14 +443,14 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _safe(field: str) -> bool:
-    return any(fnmatch.fnmatchcase(field, pattern) for pattern in SAFE_FIELDS)
+    return any(fnmatch.fnmatchcase(field, p) for p in config_lib.resume_safe_fields())
 
 
 def changes(saved: dict, cfg, prints: dict) -> list[str]:
     """What differs between the saved `config.json` contents and this run's config and input
-    fingerprints: fields outside SAFE_FIELDS ("actor.lr 0.001 -> 0.002"), and inputs whose size
-    or content changed, appeared or disappeared. Fields that only one side has (added to or
-    removed from jrl in between) are not compared."""
+    fingerprints: fields outside `config.resume_safe_fields()` ("actor.lr 0.001 -> 0.002"), and
+    inputs whose size or content changed, appeared or disappeared. Fields that only one side has
+    (added to or removed from jrl in between) are not compared."""
     saved = dict(saved)
     saved_prints = saved.pop(FINGERPRINTS_KEY, None)
     if saved_prints is not None:

@@ -1,8 +1,8 @@
 """Tools for multi-turn rollouts: the registry, the built-in tools and the call formats.
 
     TOOLS        name -> Tool (built-in: "calc", exact arithmetic, jrl/tools/calc.py; "python",
-                 a program run in a subprocess with limits and no network,
-                 jrl/tools/python_tool.py)
+                 a program run in a bubblewrap sandbox with limits, jrl/tools/python_tool.py and
+                 jrl/tools/sandbox.py)
     FORMATS      name -> call format ("hermes" for HF chat templates, "compact" for the
                  character tokenizer; jrl/tools/formats.py)
     resolve_tools("calc,package.module:function") -> [Tool]

@@ -41,6 +41,10 @@ class Tool:
     def parameters(self) -> dict:
         return self.schema["function"].get("parameters") or {"type": "object", "properties": {}}
 
+    def __call__(self, **arguments):
+        """`fn(**arguments)` (a Tool is named in a config as a function is)."""
+        return self.fn(**arguments)
+
 
 # name -> Tool
 TOOLS = Registry("tool")

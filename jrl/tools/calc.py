@@ -11,7 +11,8 @@ with spaces ignored. Results are exact: an integer prints as one (`12*34` -> `40
 as a decimal rounded to `DECIMALS` places with trailing zeros dropped (`1/3` -> `0.33333333`,
 `7/2` -> `3.5`). A bad expression raises `ValueError` with a one-line reason (the tool host turns
 it into an error message for the model): division by zero, an unknown character, an unbalanced
-parenthesis, an expression or result too long.
+parenthesis, an expression too long, a number (written, intermediate or the result) with more
+than MAX_RESULT_DIGITS integer digits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fractions import Fraction
 
 DECIMALS = 8  # places of a non-integer result
 MAX_EXPRESSION_CHARS = 256  # longer expressions are refused
-MAX_RESULT_DIGITS = 100  # results with more integer digits are refused (no huge products)
+MAX_RESULT_DIGITS = 100  # numbers with more integer digits are refused (results, operands)
 MAX_DEPTH = 64  # nested parentheses / signs
 
 
@@ -66,6 +67,7 @@ class _Parser:
         value = self.term(depth)
         while self.peek() in ("+", "-"):
             value = value + self.term(depth) if self.take() == "+" else value - self.term(depth)
+            _check_size(value)
         return value
 
     def term(self, depth: int) -> Fraction:
@@ -96,12 +98,15 @@ class _Parser:
             return value
         if token in ("*", "/", ")"):
             raise ValueError(f"unexpected {token!r}")
-        return Fraction(token)
+        return _check_size(Fraction(token))
 
 
-def _check_size(value: Fraction) -> None:
-    if len(str(abs(value.numerator) // value.denominator)) > MAX_RESULT_DIGITS:
+def _check_size(value: Fraction) -> Fraction:
+    """`value`, or ValueError when its integer part has more than MAX_RESULT_DIGITS digits (a
+    number written in the expression, an intermediate result or the result)."""
+    if abs(value) >= 10**MAX_RESULT_DIGITS:
         raise ValueError(f"result has more than {MAX_RESULT_DIGITS} digits")
+    return value
 
 
 def evaluate(expression: str) -> Fraction:

@@ -8,6 +8,10 @@ A format is built once per run, `FORMATS.get(name)(tokenizer, tools)`, and gives
   - `encode` / `decode` of an answer's text, `marker`, the text marking a truncated answer, and
     `max_calls`, the most calls a turn can hold (None: any number).
 
+An answer is text: the special-token strings in it (`<|im_end|>`, `<eos>`) are tokenized as the
+characters they are, never as the special tokens, so a tool cannot end a turn or open one.
+Parsing reads a turn once (linear in its length) and turns any failure into an error call.
+
 Two formats:
   - `hermes` (HF chat models): the model writes `<tool_call>{"name": ..., "arguments": {...}}
     </tool_call>` (one or more) and ends its turn (EOS / end-of-turn token); the answers are
@@ -24,10 +28,10 @@ Two formats:
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 from typing import Any, NamedTuple, Sequence
+
+from tokenizers import Tokenizer
 
 from jrl import tokenizer as tokenizers
 from jrl.registry import Registry
@@ -76,23 +80,70 @@ def truncate_tokens(ids: Sequence[int], limit: int, side: str, marker: Sequence[
 
 
 class _TokenizerText:
-    """Text <-> ids of answers with the run's tokenizer (no special tokens added)."""
+    """Text <-> ids with the run's tokenizer (no special tokens added).
+
+    `encode` is for answers: special-token strings in the text stay text (a copy of the
+    tokenizer's backend with `encode_special_tokens` on; the run's tokenizer is left as it is,
+    as other threads may encode with it). Added tokens that are not special (Qwen's
+    `<tool_call>`) are one token each, as a chat template's rendering would give them.
+    `encode_markup` is for the format's own text (a chat template's rendering): its special
+    tokens are the special tokens."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = True
+        self._as_text = backend
 
     def encode(self, text: str) -> list[int]:
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
+    def encode_markup(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+def _json_error(e: Exception) -> str:
+    """A one-line reason for a body that json.loads refused (bad JSON, nesting past Python's
+    recursion limit, an integer past its digit limit)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at char {e.pos}"
+    if isinstance(e, RecursionError):
+        return "nested too deep"
+    return str(e).split(":")[0] or type(e).__name__
+
+
+def _loads(text: str) -> tuple[Any, str | None]:
+    """(value, None), or (None, reason) when `text` is not JSON that Python can read."""
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        return None, _json_error(e)
+
+
+def _between(text: str, opening: str, closing: str) -> list[str]:
+    """The texts between each `opening` and the first `closing` after it, left to right: one
+    pass over `text` (a regex with a lazy group rescans the rest of the text from every opening
+    that has no closing: quadratic)."""
+    out, i = [], 0
+    while (start := text.find(opening, i)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break  # no later opening has a closing either
+        out.append(text[start + len(opening) : end])
+        i = end + len(closing)
+    return out
+
+
 @FORMATS.register("hermes")
 class HermesFormat(_TokenizerText):
     marker = "...(truncated)..."
     max_calls = None  # any number of calls per turn
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _SENTINEL = "TOOL_ANSWER_3f9a"
 
     def __init__(self, tokenizer, tools):
@@ -123,8 +174,7 @@ class HermesFormat(_TokenizerText):
                 ],
             },
         ]
-        base_text = self._text(self._conversation, generation_prompt=False)
-        base = self.encode(base_text)
+        base = self.encode_markup(self._text(self._conversation, generation_prompt=False))
         special = set(tokenizer.all_special_ids)
         ends = [i for i, t in enumerate(base) if t in special and t != tokenizer.pad_token_id]
         if not ends:
@@ -142,23 +192,35 @@ class HermesFormat(_TokenizerText):
                 f"the chat template does not render the tool list (tools=[...{first}...] leaves "
                 "no trace in the prompt): use a chat template with tool support."
             )
-        # Fast path: tokenize only the text after the prefix, where that gives the same tokens as
-        # the diff of the whole renderings (it does when the end-of-turn token splits the text, as
-        # added tokens do; not with e.g. a prefix space added to the start of a text).
-        end_text = tokenizer.convert_ids_to_tokens(self.turn_end_id)
-        cut = base_text.rfind(end_text) + len(end_text)
-        self._prefix_text = base_text[:cut] if self.encode(base_text[:cut]) == self.prefix else None
-        self._render_cached = functools.lru_cache(maxsize=4096)(self._render)
+        self._segments_of: dict[int, list[list[int]]] = {}
         for n in (1, 2):
-            block = self.render([self._SENTINEL] * n)
-            if self.decode(block).count(self._SENTINEL) != n:
-                raise FormatError(
-                    "the chat template does not render role 'tool' messages (the tool's answer is "
-                    "missing from the rendering): use a chat template with tool support."
-                )
-            if self._prefix_text is not None and block != self._render_tokens(self._messages(n)):
-                self._prefix_text = None
-                self._render_cached.cache_clear()
+            self._segments(n)
+
+    def _segments(self, n: int) -> list[list[int]]:
+        """The block of n answers around them: the rendering of the conversation plus n tool
+        messages with the generation prompt, minus the conversation's own rendering (`prefix`),
+        in tokens, split where the answers go ([before the first, between, ..., after the
+        last]). Rendered once per n, with a sentinel for each answer."""
+        if n in self._segments_of:
+            return self._segments_of[n]
+        pieces = self._text(self._messages(n), generation_prompt=True).split(self._SENTINEL)
+        if len(pieces) != n + 1:
+            raise FormatError(
+                "the chat template does not render role 'tool' messages (the tool's answer is "
+                "missing from the rendering): use a chat template with tool support."
+            )
+        head, k = self.encode_markup(pieces[0]), len(self.prefix)
+        if head[:k] != self.prefix:
+            at = next(i for i in range(k) if i >= len(head) or head[i] != self.prefix[i])
+            raise FormatError(
+                f"the chat template's rendering with the tool messages does not start with its "
+                f"rendering without them (at token {at}, {self.decode(self.prefix[at : at + 8])!r} "
+                f"became {self.decode(head[at : at + 8])!r}): tool tokens cannot be appended to "
+                "the model's own; use a chat template that renders earlier messages the same way "
+                "whatever follows them."
+            )
+        self._segments_of[n] = [head[k:], *(self.encode_markup(p) for p in pieces[1:])]
+        return self._segments_of[n]
 
     def _text(self, messages, generation_prompt: bool) -> str:
         try:
@@ -181,61 +243,35 @@ class HermesFormat(_TokenizerText):
         tool = [{"role": "tool", "content": t, "tool_call_id": "call_0"} for t in texts]
         return self._conversation + tool
 
-    def _render_tokens(self, messages) -> list[int]:
-        """The block by definition: the rendering with the messages minus the prefix, in tokens."""
-        ids = self.encode(self._text(messages, generation_prompt=True))
-        n = len(self.prefix)
-        if ids[:n] != self.prefix:
-            at = next(i for i in range(n) if i >= len(ids) or ids[i] != self.prefix[i])
-            raise FormatError(
-                f"the chat template's rendering with the tool messages does not start with its "
-                f"rendering without them (at token {at}, {self.decode(self.prefix[at : at + 8])!r} "
-                f"became {self.decode(ids[at : at + 8])!r}): tool tokens cannot be appended to "
-                "the model's own; use a chat template that renders earlier messages the same way "
-                "whatever follows them."
-            )
-        return ids[n:]
-
-    def _render(self, texts: tuple[str, ...]) -> tuple[int, ...]:
-        messages = self._messages(list(texts))
-        if self._prefix_text is not None:
-            text = self._text(messages, generation_prompt=True)
-            if text.startswith(self._prefix_text):
-                return tuple(self.encode(text[len(self._prefix_text) :]))
-        return tuple(self._render_tokens(messages))
-
     def render(self, texts: Sequence[str]) -> list[int]:
-        return list(self._render_cached(tuple(texts)))
+        """The template's tokens around the answers, each answer tokenized as text."""
+        segments = self._segments(len(texts))
+        out = list(segments[0])
+        for text, after in zip(texts, segments[1:]):
+            out += self.encode(text)
+            out += after
+        return out
 
     def overhead(self, n: int) -> int:
         return len(self.render([""] * n))
 
     def parse(self, ids: Sequence[int]) -> list[Call]:
         calls = []
-        for body in self._CALL.findall(self.decode(ids)):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError as e:
-                reason = f"invalid JSON in tool call: {e.msg} at char {e.pos}"
-                calls.append(Call(None, None, reason))
+        for body in _between(self.decode(ids), self.OPEN, self.CLOSE):
+            call, reason = _loads(body)
+            if reason is not None:
+                calls.append(Call(None, None, f"invalid JSON in tool call: {reason}"))
                 continue
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 calls.append(Call(None, None, 'a tool call is {"name": ..., "arguments": {...}}'))
                 continue
-            arguments = call.get("arguments", {})
+            name, arguments = call["name"], call.get("arguments", {})
             if isinstance(arguments, str):  # some models write the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError as e:
-                    calls.append(
-                        Call(
-                            call["name"],
-                            None,
-                            f"invalid JSON in arguments of {call['name']}: {e.msg} at char {e.pos}",
-                        )
-                    )
+                arguments, reason = _loads(arguments)
+                if reason is not None:
+                    calls.append(Call(name, None, f"invalid JSON in arguments of {name}: {reason}"))
                     continue
-            calls.append(Call(call["name"], arguments))
+            calls.append(Call(name, arguments))
         return calls
 
 

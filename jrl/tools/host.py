@@ -50,6 +50,19 @@ def error_text(reason: str) -> str:
     return "error: " + " ".join(str(reason).split())
 
 
+def failure(e: BaseException) -> str:
+    """The reason of an exception, as the model is told it: a ValueError's message (calc's are
+    written for the model), else `Type: message`. Never raises (a message that cannot be made
+    into text is left out)."""
+    try:
+        message = str(e)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+        message = ""
+    if type(e) is ValueError and message:
+        return message
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+
 class ToolHost:
     """Parses, runs and renders tool calls for the rows that paused (see the module docstring).
 
@@ -91,7 +104,8 @@ class ToolHost:
         self.num_workers = num_workers
         self._marker = fmt.encode(fmt.marker)
         n = self.max_parallel_calls
-        self.block_size = fmt.overhead(n) + n * (max_tool_response_length + _EDGE_SLACK)
+        overheads = [fmt.overhead(k) for k in range(1, n + 1)]  # every count rendered once, now
+        self.block_size = max(overheads) + n * (max_tool_response_length + _EDGE_SLACK)
 
     def result_shapes(self, batch_size: int) -> TurnResult:
         """The `jax.ShapeDtypeStruct`s of a TurnResult for `batch_size` rows."""
@@ -127,7 +141,7 @@ class ToolHost:
             full = int(length[i]) >= r
             last_turn = self.max_assistant_turns and int(turns[i]) >= self.max_assistant_turns
             ids = response_ids[i, int(turn_start[i]) : int(length[i])].tolist()
-            calls = [] if full or last_turn else self.format.parse(ids)
+            calls = [] if full or last_turn else self._parse(ids)
             if not calls:
                 out.finished[i] = True
                 continue
@@ -160,13 +174,20 @@ class ToolHost:
                 answers[i][j] = error_text(f"{t.name} timed out after {self.tool_timeout:g} s")
                 out.stats[i, _COL["tool_timeouts"]] += 1
             else:
-                e = outcome.value  # a ValueError's message is the reason (calc's are)
-                reason = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
-                answers[i][j] = error_text(reason)
+                answers[i][j] = error_text(failure(outcome.value))
                 out.stats[i, _COL["tool_errors"]] += 1
 
         for i, texts in answers.items():
-            block, cut, budget_cut = self._block(texts, room=r - int(length[i]))
+            try:
+                block, cut, budget_cut = self._block(texts, room=r - int(length[i]))
+            except Exception as e:  # noqa: BLE001 - an answer the tokenizer cannot take
+                reason = error_text(f"the answer could not be tokenized ({failure(e)})")
+                out.stats[i, _COL["tool_errors"]] = len(texts)
+                try:
+                    block, cut, budget_cut = self._block([reason] * len(texts), r - int(length[i]))
+                except Exception:  # noqa: BLE001 - not even an error renders: the row ends
+                    out.finished[i] = True
+                    continue
             out.block_ids[i, : len(block)] = block
             out.block_len[i] = len(block)
             out.stats[i, _COL["tool_turns"]] = 1
@@ -178,13 +199,24 @@ class ToolHost:
             out.stats[rows, _COL["host_seconds"]] = (time.perf_counter() - t0) / len(rows)
         return out
 
+    def _parse(self, ids: list[int]) -> list[formats.Call]:
+        """The format's calls of one turn; a format that raises is one malformed call."""
+        try:
+            return list(self.format.parse(ids))
+        except Exception as e:  # noqa: BLE001 - the model's text is never the host's failure
+            return [formats.Call(None, None, f"unreadable tool call ({failure(e)})")]
+
     def _refusal(self, call: formats.Call) -> str | None:
         """Why `call` cannot run (malformed, unknown tool, bad arguments), or None."""
-        if call.error is not None:
-            return call.error
-        if call.name not in self.tools:
-            return f"unknown tool {call.name!r}; the tools are {', '.join(self.tools)}"
-        return base.check_arguments(self.tools[call.name], call.arguments)
+        try:
+            if call.error is not None:
+                return str(call.error)
+            if not isinstance(call.name, str) or call.name not in self.tools:
+                name = str(call.name)[:64]
+                return f"unknown tool {name!r}; the tools are {', '.join(self.tools)}"
+            return base.check_arguments(self.tools[call.name], call.arguments)
+        except Exception as e:  # noqa: BLE001 - e.g. arguments that cannot be written back
+            return f"unreadable tool call ({failure(e)})"
 
     def _truncated(self, texts: Sequence[str], limit: int) -> tuple[list[str], int]:
         """Each answer cut to `limit` tokens (on the configured side); how many were cut."""
@@ -238,18 +270,21 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
         fmt = formats.FORMATS.get(mt.format)(tokenizer, tools)
     except ValueError as e:  # FormatError, or an unknown format name
         raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
-    host = ToolHost(
-        fmt,
-        tools,
-        pad_id=tokenizer.pad_token_id,
-        max_response_length=max_response_length,
-        max_assistant_turns=mt.max_assistant_turns,
-        max_parallel_calls=mt.max_parallel_calls,
-        max_tool_response_length=mt.max_tool_response_length,
-        truncate_side=mt.tool_response_truncate_side,
-        tool_timeout=mt.tool_timeout,
-        num_workers=mt.num_workers,
-    )
+    try:
+        host = ToolHost(
+            fmt,
+            tools,
+            pad_id=tokenizer.pad_token_id,
+            max_response_length=max_response_length,
+            max_assistant_turns=mt.max_assistant_turns,
+            max_parallel_calls=mt.max_parallel_calls,
+            max_tool_response_length=mt.max_tool_response_length,
+            truncate_side=mt.tool_response_truncate_side,
+            tool_timeout=mt.tool_timeout,
+            num_workers=mt.num_workers,
+        )
+    except ValueError as e:  # FormatError: a number of answers the template cannot render
+        raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
     if host.block_size >= max_response_length:
         raise ConfigError(
             f"rollout.multi_turn: a block of tool answers takes up to {host.block_size} tokens "

@@ -1,18 +1,24 @@
-"""The `python` tool: runs a Python program in a subprocess with limits and no network.
+"""The `python` tool: runs a Python program in a bubblewrap sandbox (jrl/tools/sandbox.py).
 
-The program runs as `unshare -rn python -I boot.py` in a fresh temporary directory with an
-empty environment:
-  - no network: a new (empty) network namespace, entered as an unprivileged user namespace;
-  - CPU time: RLIMIT_CPU (`cpu_s`), wall time: killed after `wall_s`;
-  - memory: RLIMIT_AS (`memory_mb` of address space);
-  - output: stdout and stderr go to files capped by RLIMIT_FSIZE (`output_chars`), and the
-    answer is cut there with "(output truncated)";
-  - files: only the temporary directory, removed afterwards, is the program's own (the rest of
-    the file system is as readable as it is to the trainer: this is a guard against accidents and
-    runaway programs, not a security boundary against hostile code).
-The answer is the program's stdout, then its stderr (a traceback's last line, say), then
-"(exit status N)" when it failed. `check()` refuses, when the run is built, a machine where
-`unshare -rn` is not allowed (no network cannot be guaranteed there).
+The program runs as `python -I -S` (the trainer's interpreter: isolated mode, the standard
+library only) in the sandbox's scratch dir /tmp, with an empty environment but PATH, LANG,
+HOME=/tmp and one thread per math library. Its launcher (`_BOOT`) first drops to uid 65534
+where it starts as root of its user namespace (the trainer is root), then sets the limits that
+hold per process:
+  - CPU time: RLIMIT_CPU (`cpu_s`; SIGXCPU, then SIGKILL a second later);
+  - memory: RLIMIT_AS (`memory_mb` of address space: the program sees MemoryError);
+  - tasks: RLIMIT_NPROC (`max_processes` processes and threads, counted in the call's own user
+    namespace), and no core files.
+The sandbox adds the wall-clock limit (`wall_s`, the whole tree killed), the output cap
+(`output_chars` per stream, the tree killed there), a `scratch_mb` tmpfs, and where cgroups are
+writable the tree's memory (`memory_mb` in all) and tasks. `site_packages=True` shows the
+trainer's environment (its site-packages: numpy, if installed) read-only as well, and runs with
+`site` (slower to start).
+
+The answer is the program's stdout, then the last line of its stderr (a traceback's error),
+then "(exit status N)" / "(killed ...)" when it failed. `check()` (run when the tool host is
+built) refuses a machine where the sandbox does not start or does not isolate, with one line
+naming the fix: the tool never runs code in a weaker mode.
 
 `make_python_tool(cpu_s=..., ...)` makes the same tool with other limits; name it in the config
 as "package.module:attribute" to use it.
@@ -22,100 +28,156 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import tempfile
+from dataclasses import dataclass
 
+from jrl.tools import sandbox
 from jrl.tools.base import Tool
 
-# Sets the limits, then runs the program in prog.py as __main__ (limits come as argv).
+# Drops to uid 65534 (when started as root of the namespace), sets the limits, runs prog.py as
+# __main__. Limits come as argv.
 _BOOT = """\
-import resource, signal, sys
-cpu, mem, out = (int(a) for a in sys.argv[1:4])
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the output cap: a write error, not a kill
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
+import os, resource, sys
+cpu, mem, nproc = (int(a) for a in sys.argv[1:4])
+if os.getuid() == 0:
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+if 0 in os.getresuid() or 0 in os.getresgid():
+    os._exit(125)
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
+resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+del os, resource, cpu, mem, nproc
 sys.argv = ["prog.py"]
-source = open("prog.py").read()
-exec(compile(source, "prog.py", "exec"), {"__name__": "__main__"})
+with open("prog.py") as f:
+    source = f.read()
+exec(compile(source, "prog.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/tmp",
+    # One thread per math library: threads count against max_processes.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
-SANDBOX = ("unshare", "-rn")  # new user + network namespaces: no network, no privilege
+
+@dataclass(frozen=True)
+class PythonLimits:
+    """The python tool's limits (module docstring)."""
+
+    cpu_s: int = 4
+    wall_s: float = 5.0
+    memory_mb: int = 512
+    max_processes: int = 16
+    output_chars: int = 4096
+    scratch_mb: int = 16
+    site_packages: bool = False
 
 
-def _read(path: str, limit: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data[:limit].decode("utf-8", "replace"), len(data) > limit
+def _command(limits: PythonLimits) -> tuple[list[str], list[str]]:
+    """(argv, host paths to show read-only) of the interpreter."""
+    if limits.site_packages:
+        exe, flags = sys.executable, ["-I"]
+        binds = [sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix]
+    else:
+        exe, flags = os.path.realpath(sys.executable), ["-I", "-S"]
+        binds = [sys.base_prefix, sys.base_exec_prefix]
+    args = [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.max_processes)]
+    return [exe, *flags, "-c", _BOOT, *args], binds
 
 
-def run_python(
-    code: str,
-    *,
-    cpu_s: int = 4,
-    wall_s: float = 5.0,
-    memory_mb: int = 512,
-    output_chars: int = 4096,
-) -> str:
-    """Runs `code` under the limits (see the module docstring); returns what it printed."""
-    with tempfile.TemporaryDirectory(prefix="jrl-python-tool-") as tmp:
-        with open(os.path.join(tmp, "prog.py"), "w") as f:
-            f.write(code)
-        with open(os.path.join(tmp, "boot.py"), "w") as f:
-            f.write(_BOOT)
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        limits = [str(cpu_s), str(memory_mb << 20), str(output_chars + 1)]
-        command = [*SANDBOX, sys.executable, "-I", "boot.py", *limits]
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                command,
-                cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,  # its own process group, killed as a whole
-            )
-            try:
-                status = proc.wait(timeout=wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                status, timed_out = proc.wait(), True
-        stdout, cut_out = _read(out_path, output_chars)
-        stderr, cut_err = _read(err_path, output_chars)
-    parts = [stdout.rstrip("\n")]
-    if cut_out:  # what failed after that is the cut itself (a write, a flush at exit)
-        return "\n".join(p for p in (*parts, "(output truncated)") if p)
-    if stderr.strip():
-        parts.append(stderr.strip().splitlines()[-1])  # the error itself, not the whole trace
-    if cut_err:
+def run_python(code: str, *, cgroups: bool = True, **limits) -> str:
+    """Runs `code` in the sandbox under `PythonLimits(**limits)`; returns what it printed (see
+    the module docstring). `cgroups=False` leaves the cgroups out where they are writable."""
+    lim = PythonLimits(**limits)
+    argv, binds = _command(lim)
+    result = sandbox.run(
+        argv,
+        files={"prog.py": code.encode("utf-8", "surrogatepass")},
+        env=_ENV,
+        binds=binds,
+        limits=sandbox.Limits(
+            wall_s=lim.wall_s,
+            memory_mb=lim.memory_mb,
+            max_processes=lim.max_processes,
+            output_bytes=lim.output_chars,
+            scratch_mb=lim.scratch_mb,
+        ),
+        cgroups=cgroups,
+    )
+    return answer(result, lim)
+
+
+def answer(result: sandbox.Result, limits: PythonLimits) -> str:
+    """The model's answer for one run."""
+    stdout = result.stdout.decode("utf-8", "replace").rstrip("\n")
+    stderr = result.stderr.decode("utf-8", "replace").strip()
+    parts = [stdout]
+    if result.truncated and len(result.stdout) >= limits.output_chars:
+        return "\n".join(p for p in (stdout, "(output truncated)") if p)
+    if stderr:
+        parts.append(stderr.splitlines()[-1])  # the error itself, not the whole trace
+    status = result.status
+    if result.truncated:
         parts.append("(output truncated)")
-    if timed_out:
-        parts.append(f"(killed after {wall_s:g} s)")
-    elif status == -signal.SIGXCPU:
-        parts.append(f"(killed: over {cpu_s} s of CPU time)")
-    elif status < 0:
-        parts.append(f"(killed by signal {-status})")
+    elif result.timed_out:
+        parts.append(f"(killed after {limits.wall_s:g} s)")
+    elif result.out_of_memory:
+        parts.append(f"(killed: over {limits.memory_mb} MiB of memory)")
+    elif status == 128 + signal.SIGXCPU:
+        parts.append(f"(killed: over {limits.cpu_s} s of CPU time)")
+    elif status is not None and status > 128:
+        parts.append(f"(killed by signal {status - 128})")
     elif status:
         parts.append(f"(exit status {status})")
     return "\n".join(p for p in parts if p)
 
 
-def check_sandbox() -> None:
-    """ValueError when this machine does not allow `unshare -rn` (no network namespace)."""
+_PROBE = """\
+import os, socket
+checks = {
+    "uid": os.getuid() == 65534 and os.geteuid() == 65534,
+    "capabilities": [int(line.split()[1], 16) for line in open("/proc/self/status")
+                     if line.startswith(("CapPrm", "CapEff", "CapAmb", "NoNewPrivs"))]
+    == [0, 0, 0, 1],
+    "pid namespace": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())[:1] == [1],
+    "network": [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]] == ["lo"],
+    "read-only root": not os.access("/usr", os.W_OK),
+    "scratch": os.access("/tmp", os.W_OK) and os.getcwd() == "/tmp",
+}
+print(",".join(k for k, ok in checks.items() if not ok) or "isolated")
+"""
+_HINTS = {
+    "namespace": "enable user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
+    "user.max_user_namespaces > 0; in a container, a seccomp / AppArmor profile allowing them)",
+}
+
+
+def check_sandbox(limits: PythonLimits = PythonLimits()) -> None:
+    """ValueError (one line, naming the fix) when the sandbox cannot run programs here."""
+    sandbox.check_installed()
+    argv, binds = _command(limits)
     try:
-        ok = subprocess.run([*SANDBOX, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    if not ok:
+        result = sandbox.run(argv, files={"prog.py": _PROBE.encode()}, env=_ENV, binds=binds)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the python tool's sandbox does not start here ({e}).") from None
+    out = result.stdout.decode("utf-8", "replace").strip()
+    if out == "isolated" and result.status == 0:
+        return
+    if out:
         raise ValueError(
-            "the python tool runs code without network through `unshare -rn` (unprivileged user "
-            "namespaces), which this machine does not allow: enable them "
-            "(sysctl kernel.unprivileged_userns_clone=1) or leave the python tool out."
+            f"the python tool's sandbox does not isolate programs here ({out} failed): "
+            f"run the trainer where bubblewrap's namespaces work, or leave the python tool out."
         )
+    err = result.stderr.decode("utf-8", "replace").strip().splitlines()
+    reason = err[-1] if err else f"exit status {result.status}"
+    hint = next((h for k, h in _HINTS.items() if k in reason), "see docs/multi_turn.md")
+    raise ValueError(f"the python tool's sandbox does not start here ({reason}): {hint}.")
 
 
 SCHEMA = {
@@ -124,7 +186,8 @@ SCHEMA = {
         "name": "python",
         "description": (
             "Run a Python program and return what it prints (stdout, then the last line of "
-            "stderr). No network; a few seconds of CPU time; print the result you need."
+            "stderr). Standard library only, no network, no files but its scratch dir; a few "
+            "seconds of CPU time; print the result you need."
         ),
         "parameters": {
             "type": "object",
@@ -136,12 +199,14 @@ SCHEMA = {
 
 
 def make_python_tool(**limits) -> Tool:
-    """The python tool with the limits of `run_python` (cpu_s, wall_s, memory_mb, output_chars)."""
+    """The python tool with the limits of `PythonLimits` (cpu_s, wall_s, memory_mb,
+    max_processes, output_chars, scratch_mb, site_packages)."""
+    lim = PythonLimits(**limits)
 
     def python(code: str) -> str:
-        return run_python(code, **limits)
+        return run_python(code, **vars(lim))
 
-    return Tool(name="python", fn=python, schema=SCHEMA, check=check_sandbox)
+    return Tool(name="python", fn=python, schema=SCHEMA, check=lambda: check_sandbox(lim))
 
 
 PYTHON_TOOL = make_python_tool()
