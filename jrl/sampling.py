@@ -10,11 +10,13 @@ vocabulary:
   prefix sum inside the one block per row that holds the threshold, gathered.
 - The log-prob is the token's logit minus the row's log-sum-exp (its max and one sum); no
   [B, V] log-softmax is written.
-- Top-k takes the k + 1 largest logits (`lax.top_k`); top-p looks for its nucleus among the
-  `TOP_P_CANDIDATES` largest ones (among the top k with top-k). The candidates are sampled in
-  vocabulary order. When some row's kept set may reach beyond its candidates (a tie with the
-  k-th logit, or a nucleus larger than the candidates), the batch takes the exact path instead
-  (`lax.cond`): `filter_logits` over the whole vocabulary and the two-level inverse CDF.
+- Top-k and top-p work on candidates, the c largest logits of each row (c = k + 1 with top-k,
+  else `TOP_P_CANDIDATES`), found among the c blocks with the largest maxima (one reduction
+  over the vocabulary, then `lax.top_k` over c blocks). The nucleus is looked for among them,
+  and the kept candidates are sampled in vocabulary order. When some row's kept set may reach
+  beyond its candidates (a tie with the last candidate, or a nucleus larger than the
+  candidates), the batch takes the exact path instead (`lax.cond`): the top-p threshold from a
+  sort of the whole vocabulary, then the two-level inverse CDF over the kept tokens.
 
 The distribution is exactly the filtered softmax's, and the tokens are those of a single prefix
 sum over the vocabulary except where float32 rounding, summing in another order, moves a
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BLOCK = 128  # tokens per block of the two-level cumulative sum (one TPU lane tile)
+BLOCK = 128  # tokens per block of the two-level cumulative sum and top-k (one TPU lane tile)
 TOP_P_CANDIDATES = 256  # largest logits among which top-p looks for its nucleus first
 
 
@@ -36,20 +38,27 @@ def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
 
     Top-k keeps every logit at least the k-th largest (ties with it are kept too). Top-p keeps
     the smallest set of most likely tokens whose probability reaches p (ties with the last kept
-    token are kept too); the most likely token is always kept. This is the exact path: it sorts
-    the whole vocabulary for top-p."""
+    token are kept too); the most likely token is always kept. It sorts the whole vocabulary
+    for top-p: `sample_token` does so only when the nucleus is not among its candidates."""
     neg_inf = jnp.finfo(logits_BV.dtype).min
     if top_k and top_k < logits_BV.shape[-1]:
         kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
         logits_BV = jnp.where(logits_BV < kth, neg_inf, logits_BV)
     if top_p < 1.0:
-        sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-        threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        logits_BV = jnp.where(logits_BV < threshold, neg_inf, logits_BV)
+        logits_BV = jnp.where(
+            logits_BV < _nucleus_floor(logits_BV, top_p)[:, None], neg_inf, logits_BV
+        )
     return logits_BV
+
+
+def _nucleus_floor(logits_BV, top_p: float):
+    """The smallest logit top-p keeps [B], from a sort of the whole vocabulary: the n-th largest,
+    n the number of tokens whose mass before them (most likely first) is below p."""
+    sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
+    return jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)[:, 0]
 
 
 def sample_token(
@@ -92,36 +101,48 @@ def _pick(reached_BN, positive_BN):
     return jnp.where(jnp.any(reached_BN, axis=-1), jnp.argmax(reached_BN, axis=-1), last)
 
 
-def _block_sums(w_BV, block: int):
-    """Sums of consecutive blocks of `block` entries: [B, V] -> [B, V / block].
+def _blocks(x_BV, block: int, reduce):
+    """`reduce` (jnp.sum, jnp.max) over consecutive blocks of `block` entries: [B, V] ->
+    [B, V / block].
 
-    With rows in groups of 8, the sum runs over [B/8, V/block, 8, block]: on a TPU that view is
-    the [B, V] array's own (8, 128)-tiled layout, so the reduction reads it in place, where the
+    With rows in groups of 8, it runs over [B/8, V/block, 8, block]: on a TPU that view is the
+    [B, V] array's own (8, 128)-tiled layout, so the reduction reads it in place, where the
     plain [B, V/block, block] view is a relayout copy of the whole array first."""
-    b, v = w_BV.shape
-    if b % 8:
-        return w_BV.reshape(b, v // block, block).sum(-1)
-    w = w_BV.reshape(b // 8, 8, v // block, block).transpose(0, 2, 1, 3).sum(-1)
-    return w.transpose(0, 2, 1).reshape(b, v // block)
-
-
-def _inverse_cdf(u_B, x_BV, m_B, block: int = BLOCK):
-    """(token [B], its x [B], total weight [B]) of the inverse CDF of the weights exp(x - m) (0
-    where x is -inf, or the dtype's minimum when m is much larger), in two levels: the block of
-    the threshold from the blocks' prefix sums, then the token inside it from that block's own."""
     b, v = x_BV.shape
-    pad = -v % block
-    if pad:
-        x_BV = jnp.pad(x_BV, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-    sums_BN = _block_sums(jnp.exp(x_BV - m_B[:, None]), block)
+    if b % 8:
+        return reduce(x_BV.reshape(b, v // block, block), axis=-1)
+    x = reduce(x_BV.reshape(b // 8, 8, v // block, block).transpose(0, 2, 1, 3), axis=-1)
+    return x.transpose(0, 2, 1).reshape(b, v // block)
+
+
+def _padded(x_BV, block: int):
+    """x with -inf appended to a multiple of `block` tokens."""
+    pad = -x_BV.shape[-1] % block
+    return jnp.pad(x_BV, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else x_BV
+
+
+def _row_block(row_V, start, block: int = BLOCK):
+    """row_V[start : start + block]."""
+    return jax.lax.dynamic_slice_in_dim(row_V, start, block)
+
+
+def _inverse_cdf(u_B, x_BV, m_B, floor_B=None, block: int = BLOCK):
+    """(token [B], its x [B], total weight [B]) of the inverse CDF of the weights exp(x - m),
+    0 below `floor` (when given), in two levels: the block of the threshold from the blocks'
+    prefix sums, then the token inside it from that block's own."""
+    v = x_BV.shape[-1]
+    x_BV = _padded(x_BV, block)
+    weight = lambda x: jnp.exp(x - m_B[:, None])
+    if floor_B is not None:
+        weight = lambda x: jnp.where(x >= floor_B[:, None], jnp.exp(x - m_B[:, None]), 0.0)
+    sums_BN = _blocks(weight(x_BV), block, jnp.sum)
     cdf_BN = jnp.cumsum(sums_BN, axis=-1)
     threshold_B = (1.0 - u_B) * cdf_BN[:, -1]  # in (0, total]
     reached_BN = (sums_BN > 0) & (cdf_BN >= threshold_B[:, None])
     j_B = _pick(reached_BN, sums_BN > 0)
     before_B = jnp.where(j_B > 0, jnp.take_along_axis(cdf_BN, j_B[:, None] - 1, -1)[:, 0], 0.0)
-    row_block = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, block)
-    x_BC = jax.vmap(row_block)(x_BV, j_B * block)
-    w_BC = jnp.exp(x_BC - m_B[:, None])
+    x_BC = jax.vmap(_row_block, (0, 0, None))(x_BV, j_B * block, block)
+    w_BC = weight(x_BC)
     cdf_BC = before_B[:, None] + jnp.cumsum(w_BC, axis=-1)
     r_B = _pick((w_BC > 0) & (cdf_BC >= threshold_B[:, None]), w_BC > 0)
     x_B = jnp.take_along_axis(x_BC, r_B[:, None], -1)[:, 0]
@@ -134,11 +155,12 @@ def _filtered(u_B, x_BV, top_k: int, top_p: float):
     the largest logits when every row's kept set lies among them, else by the exact path."""
     v = x_BV.shape[-1]
     c = min(v, top_k + 1 if top_k else TOP_P_CANDIDATES)
-    vals_BC, idx_BC = jax.lax.top_k(x_BV, c)  # descending
+    vals_BC, idx_BC = _top_k(x_BV, c)
     m_B = vals_BC[:, 0]
     w_BC = jnp.exp(vals_BC - m_B[:, None])
     z_B = _sum_exp(x_BV, m_B)
-    tau_B = vals_BC[:, top_k - 1] if top_k else jnp.full_like(m_B, -jnp.inf)
+    tau_k_B = vals_BC[:, top_k - 1] if top_k else jnp.full_like(m_B, -jnp.inf)  # exact
+    tau_B = tau_k_B
     if top_p < 1.0:
         # The nucleus of the top-k-filtered softmax (filter_logits's rule on the candidates).
         w_top_k = jnp.where(vals_BC >= tau_B[:, None], w_BC, 0.0)
@@ -151,8 +173,8 @@ def _filtered(u_B, x_BV, top_k: int, top_p: float):
 
     def among_candidates(_):
         kept_w_BC = jnp.where(vals_BC >= tau_B[:, None], w_BC, 0.0)
-        # vocabulary order
-        idx_s_BC, w_s_BC, x_s_BC = jax.lax.sort((idx_BC, kept_w_BC, vals_BC), num_keys=1)
+        sort = (idx_BC, kept_w_BC, vals_BC)  # by token id: the inverse CDF in vocabulary order
+        idx_s_BC, w_s_BC, x_s_BC = jax.lax.sort(sort, num_keys=1)
         cdf_BC = jnp.cumsum(w_s_BC, axis=-1)
         threshold_B = (1.0 - u_B) * cdf_BC[:, -1]
         r_B = _pick((w_s_BC > 0) & (cdf_BC >= threshold_B[:, None]), w_s_BC > 0)
@@ -160,10 +182,30 @@ def _filtered(u_B, x_BV, top_k: int, top_p: float):
         return at(idx_s_BC), at(x_s_BC)
 
     def exact(_):
-        token, _, _ = _inverse_cdf(u_B, filter_logits(x_BV, top_k, top_p), m_B)
-        x_B = jnp.take_along_axis(x_BV, token[:, None], -1)[:, 0]
+        floor_B = tau_k_B
+        if top_p < 1.0:  # the nucleus of the top-k-filtered logits, from a sort
+            top_k_BV = jnp.where(x_BV < tau_k_B[:, None], jnp.finfo(x_BV.dtype).min, x_BV)
+            floor_B = jnp.maximum(floor_B, _nucleus_floor(top_k_BV, top_p))
+        token, x_B, _ = _inverse_cdf(u_B, x_BV, m_B, floor_B)
         return token.astype(idx_BC.dtype), x_B
 
     if fits is True:
         return *among_candidates(None), m_B, z_B
     return *jax.lax.cond(fits, among_candidates, exact, None), m_B, z_B
+
+
+def _top_k(x_BV, c: int, block: int = BLOCK):
+    """(values, indices) [B, c] of the c largest logits per row, descending, found among the c
+    blocks of `block` tokens with the largest maxima: every logit above the c-th largest sits in
+    one of them, and they hold at least c logits at least the c-th (ties may stand for others,
+    which `_filtered` detects). Plain `lax.top_k` when that is not fewer tokens."""
+    b, v = x_BV.shape
+    if c * block >= v:
+        return jax.lax.top_k(x_BV, c)
+    x_BV = _padded(x_BV, block)
+    _, blocks_BC = jax.lax.top_k(_blocks(x_BV, block, jnp.max), c)
+    starts_BC = blocks_BC * block
+    x_BCK = jax.vmap(jax.vmap(_row_block, (None, 0)))(x_BV, starts_BC)  # [B, c, block]
+    vals_BC, at_BC = jax.lax.top_k(x_BCK.reshape(b, c * block), c)
+    at_block = jnp.take_along_axis(starts_BC, at_BC // block, axis=-1)
+    return vals_BC, at_block + at_BC % block

@@ -8,8 +8,10 @@ Compiles (does not run) `jrl.rollout.sample_token` on [B] uniforms and [B, V] fl
 for each vocabulary and setting, and prints XLA's cost analysis (bytes accessed, flops) and the
 number of ops in the optimised HLO: the instructions of the entry computation and of the
 computations its loops and conditionals call, a fusion counting as one (parameters, constants,
-tuples and their elements, bitcasts left out). A conditional's branches are all counted, so
-ops and the cost analysis's figures include the exact path's fallback when a setting has one.
+tuples and their elements, bitcasts left out). A conditional's ops are those of all its
+branches; XLA's cost analysis takes the larger of its branches' figures. With top-k / top-p the
+sampler is also compiled with its `lax.cond` replaced by either branch: "(candidates)" is the
+cost when every row's kept set lies among the largest logits, "(exact path)" when not.
 
 --tpu compiles for one chip of a v5p topology from abstract inputs (libtpu, no TPU needed).
 --vs=FILE also measures the `sample_token` of another file (an older `jrl/rollout.py`, say)
@@ -95,10 +97,18 @@ def abstract(batch: int, vocab: int, tpu: bool):
     return u, logits
 
 
-def cost(fn, args):
+def cost(fn, args, branch: int | None = None):
+    """(bytes, flops, ops) of fn compiled for args; branch 0 / 1: every `lax.cond` replaced by
+    its false / true branch (the exact path / the candidates), None: as it is."""
     import jax
 
-    compiled = jax.jit(fn).lower(*args).compile()
+    cond = jax.lax.cond
+    if branch is not None:
+        jax.lax.cond = lambda pred, if_true, if_false, *ops: (if_false, if_true)[branch](*ops)
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+    finally:
+        jax.lax.cond = cond
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return analysis["bytes accessed"], analysis["flops"], hlo_ops(compiled.as_text())
@@ -148,12 +158,22 @@ def main():
         for setting in names:
             kw = SETTINGS[setting]
             for name, f in samplers.items():
-                nbytes, flops, ops = cost(functools.partial(f, **kw), inputs)
-                print(
-                    f"{'tpu' if args.tpu else 'cpu'} V={vocab} {setting:20s} {name:5s} "
-                    f"bytes {nbytes / 1e6:8.1f} MB  flops {flops / 1e6:8.1f} M  ops {ops:4d}",
-                    flush=True,
-                )
+                branches = {"": None}
+                if "top_k" in kw or "top_p" in kw:
+                    branches = {"": None, " (candidates)": 1, " (exact path)": 0}
+                seen = set()
+                for label, branch in branches.items():
+                    # a new partial each time: jit would reuse the trace of the same function
+                    figures = cost(functools.partial(f, **kw), inputs, branch)
+                    if figures in seen:  # no lax.cond: the same program
+                        continue
+                    seen.add(figures)
+                    nbytes, flops, ops = figures
+                    print(
+                        f"{'tpu' if args.tpu else 'cpu'} V={vocab} {setting:20s} {name + label:18s}"
+                        f" bytes {nbytes / 1e6:8.1f} MB  flops {flops / 1e6:8.1f} M  ops {ops:4d}",
+                        flush=True,
+                    )
             if args.time:
                 for name, (med, lo, hi) in timings(
                     samplers, args.batch, vocab, kw, args.rounds, args.reps

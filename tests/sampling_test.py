@@ -50,10 +50,10 @@ def reference_sample_token(u_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.
     return token.astype(jnp.int32), logp
 
 
-def special_rows(v: int, rng) -> np.ndarray:
+def special_rows(v: int, scale: float, rng) -> np.ndarray:
     """Rows every case carries: ties (two, and all equal), -inf and float32-minimum (masked)
     logits, one unmasked token, large logits."""
-    rows = rng.normal(size=(8, v)).astype(np.float32)
+    rows = (rng.normal(size=(8, v)) * scale).astype(np.float32)
     rows[0] = np.round(rows[0])  # many ties
     rows[1] = 1.0  # all equal
     rows[2, 1::3] = -np.inf
@@ -72,7 +72,7 @@ def logits_and_uniforms(v: int, rows: int, scale: float, seed: int, special=rang
     rng = np.random.default_rng(seed)
     logits = (rng.normal(size=(rows, v)) * scale).astype(np.float32)
     special = list(special)[:rows]
-    logits[: len(special)] = special_rows(v, rng)[special]
+    logits[: len(special)] = special_rows(v, scale, rng)[special]
     u = rng.uniform(size=rows).astype(np.float32)
     u[:3] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5]  # the ends of [0, 1)
     return jnp.asarray(logits), jnp.asarray(u)
@@ -102,25 +102,28 @@ def among_candidates(x_BV, top_k=0, top_p=1.0, **_) -> bool:
 CASES = [  # (vocabulary, rows, logit scale, options, path: candidates / exact / None)
     (1, 8, 1.0, {}, None),
     (5, 64, 1.0, {"temperature": 0.7}, None),  # the float32 minimum / 0.7 is -inf
-    (300, 64, 2.0, {}, None),  # three blocks, the last padded
     (1000, 40, 0.3, {"temperature": 2.0}, None),  # nearly flat: the threshold in any block
-    (1000, 64, 3.0, {"top_k": 50}, "candidates"),
+    (8000, 32, 3.0, {"top_k": 50}, "candidates"),  # among the 51 blocks of largest maxima
     (1000, 64, 3.0, {"top_k": 3, "temperature": 0.5}, "exact"),  # some rows tie at the 3rd
-    (300, 64, 4.0, {"top_p": 0.9}, "candidates"),
+    (300, 64, 4.0, {"top_p": 0.9}, "candidates"),  # lax.top_k: 256 blocks hold all 300
+    (8000, 32, 10.0, {"top_p": 0.8, "temperature": 1.5}, "candidates", 10),  # 10 blocks
     (300, 64, 0.2, {"top_p": 0.9}, "exact"),  # nuclei of ~270 tokens
-    (1000, 64, 3.0, {"top_k": 50, "top_p": 0.8}, "candidates"),
+    (8000, 32, 3.0, {"top_k": 50, "top_p": 0.8}, "candidates"),
     (300, 5, 3.0, {"top_k": 299, "top_p": 0.95}, "candidates"),  # k = V - 1; 5 rows
     (300, 64, 2.0, {"greedy": True, "temperature": 0.5}, None),
 ]
+CASES = [case + (None,) * (6 - len(case)) for case in CASES]  # candidates: TOP_P_CANDIDATES
 
 
-@pytest.mark.parametrize("v,rows,scale,options,path", CASES)
+@pytest.mark.parametrize("v,rows,scale,options,path,candidates", CASES)
 def test_tokens_and_log_probs_match_one_prefix_sum_over_the_vocabulary(
-    v, rows, scale, options, path
+    monkeypatch, v, rows, scale, options, path, candidates
 ):
     """The reference's tokens for the same uniforms, but where the threshold lies within float32
     rounding of a cumulative sum (checked in float64 for each such row, and at most 2% of the
     rows); its log-probs within float32 rounding; never a token of probability 0."""
+    if candidates is not None:
+        monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
     # rows whose kept set lies among the candidates: ties at the top, -inf and masked logits
     special = (2, 3, 5, 7) if path == "candidates" else range(8)
     logits, u = logits_and_uniforms(v, rows, scale, seed=v + rows, special=special)
@@ -184,26 +187,30 @@ def exact_probabilities(logits, temperature=1.0, top_k=0, top_p=1.0):
 
 
 P9 = np.log([0.3, 0.02, 0.2, 0.08, 0.15, 0.05, 0.1, 0.06, 0.04])
+SPREAD = np.full(700, -np.inf)  # P9's logits in six of 128-token blocks, -inf elsewhere
+SPREAD[[5, 130, 131, 260, 300, 420, 599, 640, 699]] = P9
+TIED = np.array([2.0, 0.5, 1.0, 1.0, -1.0, 1.0, 0.0, 3.0, F32_MIN])  # three tie at the 3rd
 STAT_CASES = [  # (logits, options, candidates for top-p or None)
     (P9, {"temperature": 2.0}, None),
-    (np.array([2.0, 0.5, 1.0, 1.0, -1.0, 1.0, 0.0, 3.0, F32_MIN]), {"top_k": 3}, None),  # tied
+    (TIED, {"top_k": 3}, None),  # the exact path
     (P9, {"top_k": 5, "top_p": 0.6}, None),
-    (P9, {"top_p": 0.7}, 3),  # the exact path
+    (P9, {"top_p": 0.7}, 3),  # a nucleus of 4: the exact path
+    (SPREAD, {"top_p": 0.7, "temperature": 0.9}, 5),  # among the 5 blocks of largest maxima
     (np.linspace(0.0, 1.0, 300), {"temperature": 0.5}, None),  # three blocks
 ]
 
 
 @pytest.mark.parametrize("logits,options,candidates", STAT_CASES)
 def test_draws_follow_the_filtered_softmax(monkeypatch, logits, options, candidates):
-    """N = 40,000 draws with fixed-seed uniforms, counted per token. Tokens of probability 0
-    never come up; over the others, Pearson's chi-square statistic sum (n_i - N p_i)^2 / (N p_i)
-    stays below its 1 - 1e-6 quantile with (tokens - 1) degrees of freedom, so a right sampler
-    fails this with probability 1e-6 at a fresh seed. It catches a sampler one token off, a
-    missed renormalisation after filtering, or the temperature applied twice (each moves the
-    statistic into the thousands at this N)."""
+    """N = 40,000 draws (8,000 of the 700 tokens) with fixed-seed uniforms, counted per token.
+    Tokens of probability 0 never come up; over the others, Pearson's chi-square statistic
+    sum (n_i - N p_i)^2 / (N p_i) stays below its 1 - 1e-6 quantile with (tokens - 1) degrees of
+    freedom, so a right sampler fails this with probability 1e-6 at a fresh seed. A sampler one
+    token off fails every case (chi-square 8e3 to 2e6), one applying the temperature twice every
+    case with a temperature (1e3 to 8e3)."""
     if candidates is not None:
         monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
-    n = 40_000
+    n = 40_000 if len(logits) < 500 else 8_000  # fewer rows of the larger vocabulary
     p = exact_probabilities(logits, **options)
     tiled = jnp.tile(jnp.asarray(logits, jnp.float32), (n, 1))
     u = jax.random.uniform(jax.random.key(17), (n,))
