@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 BLOCK = 128  # tokens per block of the two-level cumulative sum and top-k (one TPU lane tile)
-TOP_P_CANDIDATES = 256  # largest logits among which top-p looks for its nucleus first
+TOP_P_CANDIDATES = 64  # largest logits among which top-p looks for its nucleus first
 
 
 def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):

@@ -105,7 +105,7 @@ CASES = [  # (vocabulary, rows, logit scale, options, path: candidates / exact /
     (1000, 40, 0.3, {"temperature": 2.0}, None),  # nearly flat: the threshold in any block
     (8000, 32, 3.0, {"top_k": 50}, "candidates"),  # among the 51 blocks of largest maxima
     (1000, 64, 3.0, {"top_k": 3, "temperature": 0.5}, "exact"),  # some rows tie at the 3rd
-    (300, 64, 4.0, {"top_p": 0.9}, "candidates"),  # lax.top_k: 256 blocks hold all 300
+    (300, 64, 4.0, {"top_p": 0.9}, "candidates"),  # lax.top_k: 64 blocks hold all 300
     (8000, 32, 10.0, {"top_p": 0.8, "temperature": 1.5}, "candidates", 10),  # 10 blocks
     (300, 64, 0.2, {"top_p": 0.9}, "exact"),  # nuclei of ~270 tokens
     (8000, 32, 3.0, {"top_k": 50, "top_p": 0.8}, "candidates"),
