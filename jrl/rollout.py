@@ -19,62 +19,13 @@ import jax.numpy as jnp
 
 from jrl import partitioning
 from jrl.models import transformer
+from jrl.sampling import filter_logits, sample_token  # noqa: F401 (rollout.sample_token)
 
 
 class Rollout(NamedTuple):
     response_ids: jax.Array  # [B, R] int32, pad after EOS
     response_mask: jax.Array  # [B, R] int32, 1 up to and including EOS
     log_probs: jax.Array  # [B, R] float32, 0 where masked
-
-
-def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
-    """Sets logits outside the top-k / nucleus (top-p) support to -inf. 0 / 1.0 switch a filter off.
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches p (ties with the
-    last kept token are kept too); the most likely token is always kept.
-    """
-    neg_inf = jnp.finfo(logits_BV.dtype).min
-    if top_k and top_k < logits_BV.shape[-1]:
-        kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
-        logits_BV = jnp.where(logits_BV < kth, neg_inf, logits_BV)
-    if top_p < 1.0:
-        sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-        threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        logits_BV = jnp.where(logits_BV < threshold, neg_inf, logits_BV)
-    return logits_BV
-
-
-def sample_token(
-    u_B, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy=False
-):
-    """Draws one token per row by inverse-CDF sampling: row b takes the first token whose
-    cumulative probability (of the filtered, temperature-scaled softmax) exceeds its uniform
-    u_B[b] in [0, 1). Returns (token [B] int32, log-prob [B] under softmax(logits / T)).
-
-    One uniform per row instead of a Gumbel draw per logit: on XLA:CPU drawing B x V threefry bits
-    every decode step cost more than the rest of a small model's step. Tokens outside the
-    top-k / top-p support have probability 0 and are never drawn: a float32 prefix sum need not
-    be monotone (a token adding 0 can sit one ulp below the one before it, the total one ulp
-    above the last token with mass), so only tokens of positive probability are candidates, and
-    the last of them is taken when rounding leaves none whose cumulative sum reaches the
-    threshold."""
-    logits_BV = logits_BV / temperature
-    if greedy:
-        token = jnp.argmax(logits_BV, axis=-1)
-    else:
-        kept = filter_logits(logits_BV, top_k, top_p)
-        probs = jnp.exp(kept - jnp.max(kept, axis=-1, keepdims=True))  # unnormalised
-        cdf = jax.lax.associative_scan(jnp.add, probs, axis=-1)
-        threshold = (1.0 - u_B) * cdf[:, -1]  # in (0, total]
-        positive = probs > 0
-        reached = positive & (cdf >= threshold[:, None])
-        last = probs.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
-        token = jnp.where(jnp.any(reached, axis=-1), jnp.argmax(reached, axis=-1), last)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
-    return token.astype(jnp.int32), logp
 
 
 MAX_DECODE_STAGES = 4  # each stage compiles the decode step once more
