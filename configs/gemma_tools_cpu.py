@@ -51,6 +51,8 @@ def get_config(arg: str | None = None):
     c.rollout.multi_turn.max_assistant_turns = 2  # a call, then the answer
     c.rollout.multi_turn.max_tool_response_length = 8  # a 5-digit product, or a cut error
 
+    c.model.logits_chunk_size = 8  # [rows, 8, 262k] log-prob chunks over the 32 response slots
+
     c.total_steps = 30  # RL steps
     c.eval_every = 10  # greedy held-out accuracy every 10 steps (and at the start and end)
     c.data.train_batch_size = 8  # prompts per step
