@@ -3,8 +3,8 @@ on PyPI, as configs/grpo_gemma_cpu.py) on 3-digit x 2-digit products, which it c
 its head, with the `calc` tool in the `tags` format (docs/multi_turn.md): after worked examples
 `Q: 23*17\\nA: <calc>23*17</calc> = 391. Answer: 391` the model writes `<calc>729*52</calc>`,
 decoding pauses at the stop string `</calc>`, the host appends ` = 37908` (tokenized as text,
-response_mask 0) and the model writes `. Answer: 37908` and a newline, which ends the row. The
-reward reads the model's own final turn: the last number on its first line.
+response_mask 0) and the model writes `. Answer: 37908` and a newline. The reward reads the
+model's own final turn: the last number on its first line.
 
 Three of the four worked examples call the calculator: the base model calls on about a third of
 its samples but never when greedy, so the held-out greedy accuracy starts at 0 with tools, and RL
@@ -43,7 +43,12 @@ def get_config(arg: str | None = None):
     c.task.reward = "jrl.data.calc_products:final_answer"
     c.task.eval_size = 64  # held-out problems, greedy accuracy before / during / after
     c.data.max_response_length = 32  # R: a call (12 tokens), ` = 37908` (7), `. Answer: 37908\n`
-    c.rollout.stop = ("\n",)  # a newline ends the row's episode (the model's answer is a line)
+    # grpo_gemma_cpu.py's newline stop left out: config.validate refuses rollout.stop with
+    # tools, though the tool host takes its strings as stops (`("\n",)`: a row would end with the
+    # line of its answer). Without it a row runs on into the next worked example, whose call's
+    # `</calc>` ends it (max_assistant_turns), or its budget does; the reward reads the first
+    # line of the final turn either way.
+    c.rollout.stop = ()
 
     c.rollout.multi_turn.enable = True  # tool calls in the rollout
     c.rollout.multi_turn.format = "tags"  # <calc>729*52</calc> -> ` = 37908`, text in the text

