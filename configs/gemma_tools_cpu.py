@@ -43,11 +43,12 @@ def get_config(arg: str | None = None):
     c.task.reward = "jrl.data.calc_products:final_answer"
     c.task.eval_size = 64  # held-out problems, greedy accuracy before / during / after
     c.data.max_response_length = 32  # R: a call (12 tokens), ` = 37908` (7), `. Answer: 37908\n`
-    # grpo_gemma_cpu.py's newline stop left out: config.validate refuses rollout.stop with
-    # tools, though the tool host takes its strings as stops (`("\n",)`: a row would end with the
-    # line of its answer). Without it a row runs on into the next worked example, whose call's
-    # `</calc>` ends it (max_assistant_turns), or its budget does; the reward reads the first
-    # line of the final turn either way.
+    # The run wants `rollout.stop = ("\n",)`: a row's episode ends with the line of its answer
+    # (the tool host takes rollout.stop's strings as stops). config.validate refuses rollout.stop
+    # with tools for now, so grpo_gemma_cpu.py's is left out. Without it a row runs on into a
+    # next worked example; a call there is run when the row has not called yet, and the final
+    # turn read by the reward is then that example's: a row that answered wrong and went on to
+    # repeat its own problem with a call would score.
     c.rollout.stop = ()
 
     c.rollout.multi_turn.enable = True  # tool calls in the rollout
