@@ -34,7 +34,7 @@ A stop string never holds a NUL byte (refused), so the zero padding never matche
 **Per step** (`step`, in the jitted loop): for each row, the window `tail + head[token]` (2W
 bytes) is searched for each stop string at the places that end inside the new token, and
 `inner[token]` covers stop strings wholly inside it; the new tail is the last W bytes of the
-text. That is B x (4 + 2W) bytes gathered from the tables and B x 2W x (stop bytes) byte
+text. That is B x (2W + 2) bytes gathered from the tables and B x 2W x (stop bytes) byte
 comparisons a step: nothing of the vocabulary's size. The tables take V x (2W + 2) bytes (Gemma
 3's 262k tokens with `</calc>`: 3.7 MB), and are constants of the compiled program.
 """
@@ -184,18 +184,19 @@ class StopStrings:
             raise StopStringError("no stop strings: give at least one, e.g. ('\\n',).")
         v = max(len(pieces), vocab_size or 0)
         w = max(1, max(map(len, encoded)) - 1)
+        lengths = np.zeros((v,), np.int64)
+        lengths[: len(pieces)] = [len(p) for p in pieces]
+        flat = np.frombuffer(b"".join(pieces) + b"\0", np.uint8)  # every token's bytes in a row
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         head = np.zeros((v, w), np.uint8)
         last = np.zeros((v, w), np.uint8)
-        size = np.zeros((v,), np.uint8)
+        for j in range(w):
+            head[:, j] = np.where(j < lengths, flat[np.minimum(starts + j, len(flat) - 1)], 0)
+            at = lengths - w + j  # byte j of the last W, counted from the token's start
+            last[:, j] = np.where(at >= 0, flat[np.clip(starts + at, 0, len(flat) - 1)], 0)
+        size = np.minimum(lengths, w).astype(np.uint8)
         inner = np.zeros((v,), bool)
-        for i, piece in enumerate(pieces):
-            if not piece:
-                continue
-            n = len(piece)
-            head[i, : min(n, w)] = np.frombuffer(piece[:w], np.uint8)
-            last[i, w - min(n, w) :] = np.frombuffer(piece[-w:], np.uint8)
-            size[i] = min(n, w)
-            inner[i] = any(s in piece for s in encoded)
+        inner[: len(pieces)] = [any(s in p for s in encoded) for p in pieces]
         return cls(encoded, w, head, last, size, inner)
 
     @property
