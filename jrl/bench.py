@@ -34,7 +34,18 @@ with abstract inputs (no parameter is allocated) and reports XLA's compile-time 
 device: temporaries, arguments (the train state and the prompt batch), outputs, what the donated
 state aliases, and the peak. With forced host devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8 ... --config.mesh.shape="(1,8,1)"`) it gives
-the per-device figure of a sharded run before any accelerator is paid for.
+the per-device figure of a sharded run before any accelerator is paid for. `--target=v5p-64` (a
+TPU slice, a topology such as v5p:2x4x4, or `tpu`: the slice of the config's mesh= preset)
+compiles it with the TPU compiler for that slice's chips instead (libtpu installed; no TPU
+needed): per-chip figures as the chips would hold them, the report naming the compiler
+(jrl/run/targets.py).
+
+`--decode` compiles (never runs) one decode step of a config's rollout at its shape and reports
+XLA's bytes and flops per step against the bytes the step needs, its ops and roofline tokens/s
+per chip (jrl/run/decode_report.py; docs/performance.md, "Decode"), e.g.
+  python -m jrl.bench --decode --config=configs/grpo_math.py:model=qwen2.5-0.5b \
+    --config.tokenizer=char --config.rollout.n=8 --config.data.train_batch_size=16 \
+    --config.data.max_prompt_length=512 --config.data.max_response_length=1024 [--target=v5p-8]
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ import json
 
 from absl import app, flags
 
-from jrl.run import benchmark, cli
+from jrl.run import benchmark, cli, decode_report, targets
 from jrl import config as config_lib
 
 _CONFIG = cli.define_config(" With --memory: the config whose step is compiled.")
@@ -66,17 +77,100 @@ _MEMORY = flags.DEFINE_bool(
     "Compile (never run) the fused step of --config on the current devices and report XLA's "
     "memory analysis per device instead of timing a workload.",
 )
+_TARGET = flags.DEFINE_string(
+    "target",
+    None,
+    "With --memory or --decode: compile for this TPU slice with the TPU compiler instead of the "
+    "current devices (v5p-64, v4-8, v5e-16, a topology such as v5p:2x4x4, or 'tpu': the slice "
+    "of the config's mesh= preset; --decode compiles for one of its chips). Needs libtpu, no "
+    "TPU.",
+)
+
+
+def _target() -> targets.Target | None:
+    """The --target of --memory / --decode, checked before anything compiles (one-line
+    errors)."""
+    if _TARGET.value is None:
+        return None
+    try:
+        presets = flags.FLAGS["config"].config_filename.partition(":")[2]
+        target = targets.parse(_TARGET.value, presets)
+        targets.require_libtpu()
+    except targets.TargetError as e:
+        cli.fail(str(e))
+    targets.host_only()  # before any device use: the attached chips, if any, are not needed
+    return target
+
+_DECODE = flags.DEFINE_bool(
+    "decode",
+    False,
+    "Compile (never run) one decode step of --config's rollout and report XLA's bytes and flops "
+    "per step against the bytes it needs, its ops and its roofline tokens/s "
+    "(jrl/run/decode_report.py); on a GPU or TPU also time the rollout.",
+)
+_FILL = flags.DEFINE_integer(
+    "fill",
+    None,
+    "--decode: the cache slots the step's token sees, its own included (default P + R/2).",
+)
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention",
+    None,
+    ["blockwise", "xla"],
+    "--decode: the decode attention compiled instead of the model's own (blockwise): xla, the "
+    "materialised reference over the whole cache.",
+)
+_GREEDY = flags.DEFINE_bool(
+    "greedy",
+    False,
+    "--decode: compile the step with greedy (argmax) sampling instead of the config's sampler.",
+)
+
+
+def _print(result: dict):
+    if _JSON.value:
+        print(json.dumps(result))
+        return
+    for k, v in result.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                print(f"{k}.{kk:<24} {vv}")
+        else:
+            print(f"{k:<28} {v}")
 
 
 def main(argv):
     del argv
+    targets.use_gpu_flags()  # before any device use (XLA reads XLA_FLAGS when it starts)
+    if _TARGET.value is not None and not (_MEMORY.value or _DECODE.value):
+        cli.fail("--target applies to --memory and --decode: add one of them and --config=...")
+    if _DECODE.value:
+        cfg = _CONFIG.value
+        if cfg is None:
+            raise app.UsageError("--decode needs --config=configs/X.py[:presets]")
+        target = _target()
+        compile_fn = None if target is None else lambda fn, args: targets.compile(fn, args, target)
+        try:
+            result = decode_report.decode_report(
+                cfg,
+                fill=_FILL.value,
+                greedy=_GREEDY.value,
+                decode_attention=_DECODE_ATTENTION.value,
+                compile_fn=compile_fn,
+                device=None if target is None else f"one chip of {target.describe()}",
+            )
+        except (config_lib.ConfigError, targets.TargetError) as e:
+            cli.fail(str(e))
+        _print(result)
+        return
     if _MEMORY.value:
         cfg = _CONFIG.value
         if cfg is None:
             raise app.UsageError("--memory needs --config=configs/X.py[:presets]")
+        target = _target()
         try:
-            result = benchmark.memory_report(cfg)
-        except config_lib.ConfigError as e:
+            result = benchmark.memory_report(cfg, target)
+        except (config_lib.ConfigError, targets.TargetError) as e:
             cli.fail(str(e))
         print(
             json.dumps(result)
@@ -89,15 +183,7 @@ def main(argv):
     result = benchmark.run(
         _WORKLOAD.value, _STEPS.value, _MICRO_BATCH.value, fixed_length=_FIXED_LENGTH.value
     )
-    if _JSON.value:
-        print(json.dumps(result))
-        return
-    for k, v in result.items():
-        if isinstance(v, dict):
-            for kk, vv in v.items():
-                print(f"{k}.{kk:<24} {vv}")
-        else:
-            print(f"{k:<28} {v}")
+    _print(result)
 
 
 if __name__ == "__main__":

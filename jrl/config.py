@@ -17,6 +17,7 @@ import difflib
 import fnmatch
 import functools
 import importlib.util
+import math
 import os
 import sys
 import traceback
@@ -265,6 +266,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.critic.critic_warmup = 0  # RL steps that train only the critic (verl: trainer.critic_warmup)
 
     c.reward = ml_collections.ConfigDict()
+    # time limit of one call (one batch) of a user reward function (task.reward="module:fn",
+    # run in a worker process); past it the run stops, naming the sample (exit status 5). On a
+    # CPU with several devices at most 15 s (jrl.run.trainer.reward_time_limit)
+    c.reward.timeout_s = 300.0
     c.reward.overlong_buffer = ml_collections.ConfigDict()
     c.reward.overlong_buffer.enable = False  # DAPO soft overlong punishment of long responses
     # the last `len` tokens before max_response_length are penalised
@@ -344,6 +349,7 @@ RESUME_SAFE_FIELDS = (
     "rollout.compact_min_rows",
     "rollout.multi_turn.num_workers",
     "task.math_workers",
+    "reward.timeout_s",
     "model.hf_path",
     "tokenizer",
     "task.train_files",
@@ -428,8 +434,28 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_finite(cfg: ml_collections.ConfigDict) -> None:
+    """Every float field (and float in a tuple field) is a finite number: an infinite or NaN
+    learning rate, coefficient, threshold or time limit is a typo, never a setting."""
+    base = base_config()
+    for key in flat_keys(cfg):
+        value = _field(cfg, key)
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        bad = [v for v in items if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            try:
+                default = f" (the default: {_field(base, key)!r})"
+            except (AttributeError, KeyError):
+                default = ""
+            what = "is" if items is not value else f"holds {bad[0]!r}, which is"
+            raise ConfigError(
+                f"{key}={value!r} {what} not a finite number; give a finite value{default}."
+            )
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
     """Checks names, ranges and divisibility; raises ConfigError with a one-line message."""
+    _check_finite(cfg)
     _check_response_buckets(cfg)
     _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, advantages.ESTIMATORS)
     _choice("actor.policy_loss", cfg.actor.policy_loss, losses.POLICY_LOSSES)
@@ -567,6 +593,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         cfg.critic.critic_warmup >= 0,
         f"critic.critic_warmup={cfg.critic.critic_warmup} must be >= 0 (0: none).",
+    )
+    _check(
+        cfg.reward.timeout_s > 0,
+        f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 (seconds per call of a user "
+        f"reward function).",
     )
     _check(
         cfg.reward.overlong_buffer.len >= 1,

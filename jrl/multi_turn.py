@@ -10,8 +10,8 @@ forward writes every waiting row's block into its KV cache and response at the r
 token. A row ends when the host says so, or when the response budget R is full (a block that
 does not fit is cut on the right; a row whose last slot holds a stop id ends without a call).
 Turn counts are data: the loop compiles once. A step without a waiting row neither calls the
-host nor runs the block forward: both sit in `while_loop`s of 0 or 1 trips (`_when`), which,
-unlike `lax.cond`, leave the KV cache in place.
+host nor runs the block forward: both sit in `while_loop`s of 0 or 1 trips (`rollout.when`),
+which, unlike `lax.cond`, leave the KV cache in place.
 
 Arrays follow verl's agent-loop contract (docs/design.md#token-alignment for the alignment):
 response slot t holds a model token (`response_mask` 1, `log_probs` the sampler's log-prob) or
@@ -83,19 +83,12 @@ class MultiTurnRollout(NamedTuple):
     stats: jax.Array  # [B, S] float32: the host's stats, summed over the row's calls
 
 
-class _Loop(NamedTuple):
-    """The decode loop's carry."""
+class _Turns(NamedTuple):
+    """The turn hook's state in the decode loop's carry (`rollout.Carry.turn`), per row."""
 
-    logits: jax.Array  # [B, V] float32: each row's next-token logits
-    cache: tuple  # the KV cache, per layer {"k", "v"} [B, K, P + R, D]
-    length: jax.Array  # [B] int32: response slots filled (the next token's slot)
-    done: jax.Array  # [B] bool: the row has ended
     turn_start: jax.Array  # [B] int32: the slot where the row's current model turn began
     turns: jax.Array  # [B] int32: model turns so far, the current one included
     blocks: jax.Array  # [B] int32: tool blocks appended
-    ids: jax.Array  # [B, R] int32
-    mask: jax.Array  # [B, R] int32: 1 on model tokens
-    logps: jax.Array  # [B, R] float32
     reward: jax.Array  # [B] float32
     stats: jax.Array  # [B, S] float32
 
@@ -126,13 +119,6 @@ def _host_call(host, b: int, k: int, s: int):
     return call, shapes
 
 
-def _when(pred, fn, operand):
-    """fn(operand) if pred else operand, as a `while_loop` of 0 or 1 trips: XLA updates a loop's
-    carry in place, where `lax.cond` copied every operand it passes through (the whole KV
-    cache, at every decode step)."""
-    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, fn(c[1])), (pred, operand))[1]
-
-
 def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Host, **options):
     """Samples up to `max_new_tokens` response slots per row, model and tool tokens together,
     calling `host` whenever rows stop at one of `host.stop_ids`; see the module docstring.
@@ -143,7 +129,10 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
     `rollout.sample_token`'s); model token t of row b is drawn with the same uniform as there
     (the one of response slot t). One more option, `force_ids` ([B, R] int32 or None, for
     scripted tests): where >= 0, the model token at that response slot is this id instead of a
-    draw; its log-prob is still the policy's."""
+    draw; its log-prob is still the policy's.
+
+    The decode is `rollout.generate`'s loop (`rollout.decode_loop`, each row at its own
+    response slot) with the turn below as its hook."""
     max_new_tokens, eos_id, pad_id = (
         options.pop(k) for k in ("max_new_tokens", "eos_id", "pad_id")
     )
@@ -155,111 +144,78 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
         raise ValueError(f"multi-turn host: stop_ids {stop_ids} lack eos_id {eos_id}; add it.")
     if k < 1:
         raise ValueError(f"multi-turn host: block_size is {k}; it must be at least 1.")
-    model, variables, pre, last_logits = rollout.prefilled(
-        model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples, max_new_tokens
-    )
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
-    slots = jnp.arange(p + r)
-    rows = jnp.arange(b)
-    first_pos_B = pre.first_position
-    uniforms_BR = jax.random.uniform(key, (r, b)).T  # rollout.generate's draws, per row
+    opts = rollout.Options(p, r, eos_id, pad_id, stop_ids, **sampling, per_row=True)
+    variables = rollout.prepare(model_cfg, params)  # once, outside the decode loop
+    force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)
+    draws = rollout.Draws(jax.random.uniform(key, (r, b)), force_ids=force)
+    rows_b = jnp.arange(b)
     call_host, result_shapes = _host_call(host, b, k, s)
-
-    def forward(ids_BL, start_B, write_B, cache):
-        """`ids_BL` at response slots start_B[b] + l of every row, attending over the prompt and
-        the row's slots up to each token; cache writes only where `write_B` (others dropped)."""
-        l = ids_BL.shape[1]
-        slot_BL = p + start_B[:, None] + jnp.arange(l)[None]
-        mask = pre.key_valid[:, None, :] & (slots[None, None, :] <= slot_BL[..., None])
-        positions = first_pos_B[:, None] + start_B[:, None] + jnp.arange(l)[None]
-        index = jnp.where(write_B, p + start_B, p + r)  # past the cache: the write is dropped
-        return model.apply(variables, ids_BL, positions, mask, cache, index)
 
     def put(arr_BR, start_B, values_BL, n_B):
         """arr_BR with values_BL[b, :n_B[b]] written at slots start_B[b] ..; the rest dropped."""
         l = values_BL.shape[1]
         at = start_B[:, None] + jnp.arange(l)[None]
         at = jnp.where(jnp.arange(l)[None] < n_B[:, None], at, r)
-        return arr_BR.at[rows[:, None], at].set(values_BL.astype(arr_BR.dtype), mode="drop")
+        return arr_BR.at[rows_b[:, None], at].set(values_BL.astype(arr_BR.dtype), mode="drop")
 
-    def decode(c: _Loop):
-        """One model token for every live row, at its own slot, and its forward."""
-        live = ~c.done
-        slot = jnp.minimum(c.length, r - 1)[:, None]
-        u = jnp.take_along_axis(uniforms_BR, slot, 1)[:, 0]
-        token, logp = rollout.sample_token(u, c.logits, **sampling)
-        if force_ids is not None:
-            forced = jnp.take_along_axis(jnp.asarray(force_ids, jnp.int32), slot, 1)[:, 0]
-            token = jnp.where(forced >= 0, forced, token)
-            logp = jax.nn.log_softmax(c.logits / sampling.get("temperature", 1.0))
-            logp = jnp.take_along_axis(logp, token[:, None], 1)[:, 0]
-        one = live.astype(jnp.int32)
-        out = forward(token[:, None], c.length, live, c.cache)
-        length = c.length + one
-        full = length >= r
-        waiting = live & ~full & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
-        c = c._replace(
-            logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head),
-            cache=rollout.pin(out.cache),
-            length=length,
-            done=c.done | full,
-            ids=put(c.ids, c.length, token[:, None], one),
-            mask=put(c.mask, c.length, jnp.ones((b, 1), jnp.int32), one),
-            logps=put(c.logps, c.length, logp[:, None], one),
-        )
-        return c, waiting
-
-    def turn(c: _Loop, waiting):
+    def turn(c: rollout.Carry, waiting) -> rollout.Carry:
         """The host answers the waiting rows; their blocks are appended in one forward."""
-        res = io_callback(call_host, result_shapes, c.ids, c.length, c.turn_start, waiting, c.turns)
-        n = jnp.where(waiting, jnp.clip(res.block_len, 0, jnp.minimum(k, r - c.length)), 0)
+        rows, state = c.rows, c.turn
+        res = io_callback(
+            call_host, result_shapes, c.ids, rows.length, state.turn_start, waiting, state.turns
+        )
+        n = jnp.where(waiting, jnp.clip(res.block_len, 0, jnp.minimum(k, r - rows.length)), 0)
         block = jnp.asarray(res.block_ids, jnp.int32)
 
         def append(logits, cache):
-            out = forward(block, c.length, n > 0, cache)
+            at = rows._replace(cache=cache)
+            out = rollout.forward(model_cfg, variables, opts, at, block, rows.length, n > 0)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)
-            new = transformer.lm_logits(model_cfg, last[:, 0], out.head)
+            new = transformer.lm_logits(model_cfg, last[:, 0], out.head, decode=True)
             return jnp.where((n > 0)[:, None], new, logits), rollout.pin(out.cache)
 
-        logits, cache = _when(jnp.any(n > 0), lambda lc: append(*lc), (c.logits, c.cache))
-        length = c.length + n
-        done = c.done | (waiting & res.finished) | (length >= r)
+        grow = lambda lc: append(*lc)
+        logits, cache = rollout.when(jnp.any(n > 0), grow, (rows.logits, rows.cache))
+        start, length = rows.length, rows.length + n
+        done = rows.done | (waiting & res.finished) | (length >= r)
         next_turn = (n > 0) & ~done  # a new model turn starts after the block
-        return c._replace(
-            logits=logits,
-            cache=cache,
-            length=length,
-            done=done,
-            turn_start=jnp.where(next_turn, length, c.turn_start),
-            turns=c.turns + next_turn.astype(jnp.int32),
-            blocks=c.blocks + (n > 0).astype(jnp.int32),
-            ids=put(c.ids, c.length, block, n),
-            reward=c.reward + jnp.where(waiting, res.reward, 0.0),
-            stats=c.stats + jnp.where(waiting[:, None], res.stats, 0.0),
+        state = state._replace(
+            turn_start=jnp.where(next_turn, length, state.turn_start),
+            turns=state.turns + next_turn.astype(jnp.int32),
+            blocks=state.blocks + (n > 0).astype(jnp.int32),
+            reward=state.reward + jnp.where(waiting, res.reward, 0.0),
+            stats=state.stats + jnp.where(waiting[:, None], res.stats, 0.0),
         )
+        rows = rows._replace(logits=logits, cache=cache, length=length, done=done)
+        return c._replace(rows=rows, ids=put(c.ids, start, block, n), turn=state)
 
-    def body(c: _Loop):
-        c, waiting = decode(c)
-        return _when(jnp.any(waiting), lambda c: turn(c, waiting), c)
+    def hook(c: rollout.Carry, stopped) -> rollout.Carry:
+        """A live row that wrote a stop id before its last slot waits for the host (a step
+        with none runs no callback and no block forward)."""
+        waiting = stopped & (c.rows.length < r)
+        return rollout.when(jnp.any(waiting), lambda c: turn(c, waiting), c)
 
     zeros_b = jnp.zeros((b,), jnp.int32)
-    start = _Loop(
-        logits=last_logits,
-        cache=rollout.pin(pre.cache),
-        length=zeros_b,
-        done=jnp.zeros((b,), bool),
-        turn_start=zeros_b,
-        turns=zeros_b + 1,
-        blocks=zeros_b,
-        ids=jnp.full((b, r), pad_id, jnp.int32),
-        mask=jnp.zeros((b, r), jnp.int32),
-        logps=jnp.zeros((b, r), jnp.float32),
-        reward=jnp.zeros((b,), jnp.float32),
-        stats=jnp.zeros((b, s), jnp.float32),
+    carry = rollout.start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts)
+    carry = carry._replace(
+        turn=_Turns(zeros_b, zeros_b + 1, zeros_b, jnp.zeros((b,), jnp.float32), jnp.zeros((b, s)))
     )
-    c = jax.lax.while_loop(lambda c: ~jnp.all(c.done), body, start)
-    valid = (jnp.arange(r)[None] < c.length[:, None]).astype(jnp.int32)
+    with jax.named_scope("decode"):
+        carry = rollout.decode_loop(model_cfg, variables, draws, opts, carry, hook)
+    live = ~carry.rows.done  # rows at their last slot: its token needs no forward
+    c = rollout.record(opts, draws, carry)[2]
+    length = carry.rows.length + live.astype(jnp.int32)
+    valid = (jnp.arange(r)[None] < length[:, None]).astype(jnp.int32)
+    state = c.turn
     return MultiTurnRollout(
-        c.ids, c.mask, c.logps, valid, c.reward, c.turns, c.turns + c.blocks + 1, c.stats
+        c.ids,
+        c.mask,
+        c.logps,
+        valid,
+        state.reward,
+        state.turns,
+        state.turns + state.blocks + 1,
+        state.stats,
     )

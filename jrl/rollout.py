@@ -12,86 +12,20 @@ top-p filtered) policy, the same quantity the update recomputes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jrl import partitioning
 from jrl.models import transformer
+from jrl.sampling import filter_logits, sample_token  # noqa: F401 (rollout.sample_token)
 
 
 class Rollout(NamedTuple):
     response_ids: jax.Array  # [B, R] int32, pad after EOS
     response_mask: jax.Array  # [B, R] int32, 1 up to and including EOS
     log_probs: jax.Array  # [B, R] float32, 0 where masked
-
-
-def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
-    """Sets logits outside the top-k / nucleus (top-p) support to -inf. 0 / 1.0 switch a filter off.
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches p (ties with the
-    last kept token are kept too); the most likely token is always kept.
-    """
-    neg_inf = jnp.finfo(logits_BV.dtype).min
-    if top_k and top_k < logits_BV.shape[-1]:
-        kth = jax.lax.top_k(logits_BV, top_k)[0][..., -1:]
-        logits_BV = jnp.where(logits_BV < kth, neg_inf, logits_BV)
-    if top_p < 1.0:
-        sorted_desc = jnp.sort(logits_BV, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # >= 1
-        threshold = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        logits_BV = jnp.where(logits_BV < threshold, neg_inf, logits_BV)
-    return logits_BV
-
-
-def sample_token(
-    u_B, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy=False
-):
-    """Draws one token per row by inverse-CDF sampling: row b takes the first token whose
-    cumulative probability (of the filtered, temperature-scaled softmax) exceeds its uniform
-    u_B[b] in [0, 1). Returns (token [B] int32, log-prob [B] under softmax(logits / T)).
-
-    One uniform per row instead of a Gumbel draw per logit: on XLA:CPU drawing B x V threefry bits
-    every decode step cost more than the rest of a small model's step. Tokens outside the
-    top-k / top-p support have probability 0 and are never drawn: a float32 prefix sum need not
-    be monotone (a token adding 0 can sit one ulp below the one before it, the total one ulp
-    above the last token with mass), so only tokens of positive probability are candidates, and
-    the last of them is taken when rounding leaves none whose cumulative sum reaches the
-    threshold."""
-    logits_BV = logits_BV / temperature
-    if greedy:
-        token = jnp.argmax(logits_BV, axis=-1)
-    else:
-        kept = filter_logits(logits_BV, top_k, top_p)
-        probs = jnp.exp(kept - jnp.max(kept, axis=-1, keepdims=True))  # unnormalised
-        cdf = jax.lax.associative_scan(jnp.add, probs, axis=-1)
-        threshold = (1.0 - u_B) * cdf[:, -1]  # in (0, total]
-        positive = probs > 0
-        reached = positive & (cdf >= threshold[:, None])
-        last = probs.shape[-1] - 1 - jnp.argmax(positive[:, ::-1], axis=-1)
-        token = jnp.where(jnp.any(reached, axis=-1), jnp.argmax(reached, axis=-1), last)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token[:, None], -1)[:, 0]
-    return token.astype(jnp.int32), logp
-
-
-class _ForcedEos(NamedTuple):
-    """`generate`'s `forced_length`: EOS masked out before a row's length, written at it."""
-
-    length_B: jax.Array  # [B] int32
-    eos_id: int
-    temperature: float
-
-    def mask_eos(self, t, logits_BV):
-        early = (t < self.length_B - 1)[:, None] & (jnp.arange(logits_BV.shape[-1]) == self.eos_id)
-        return jnp.where(early, jnp.finfo(logits_BV.dtype).min, logits_BV)
-
-    def write_eos(self, t, token_B, logits_BV):
-        token_B = jnp.where(t == self.length_B - 1, self.eos_id, token_B).astype(jnp.int32)
-        logp_BV = jax.nn.log_softmax(logits_BV / self.temperature, -1)
-        return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], -1)[:, 0]
 
 
 MAX_DECODE_STAGES = 4  # each stage compiles the decode step once more
@@ -111,30 +45,72 @@ def decode_stages(rows: int, shards: int = 1, min_rows: int = 16) -> tuple[int, 
     return tuple(sizes)
 
 
+class Options(NamedTuple):
+    """What a decode fixes at trace time: the prompt and response lengths, the token ids that
+    end (or, with `per_row`, pause) a row, and the sampler's settings (`sample_token`'s).
+    `per_row`: each row writes at its own response slot (`_Rows.length`), as the multi-turn
+    rollout's rows do; else every live row writes at slot t."""
+
+    p: int  # P, prompt slots
+    r: int  # R, response slots
+    eos_id: int
+    pad_id: int
+    stop_ids: tuple[int, ...] = ()
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    per_row: bool = False
+
+
+class Draws(NamedTuple):
+    """What sampling reads besides the logits: each (row, response slot)'s uniform, drawn once
+    before the loop, and the forcing options of the benchmark and the tests."""
+
+    uniforms_RB: jax.Array  # [R, B] float32: the uniform of response slot t of row b
+    forced_length: jax.Array | None = None  # [B] int32: `generate`'s forced_length
+    force_ids: jax.Array | None = None  # [B, R] int32: where >= 0, the token at that slot
+
+
 class _Rows(NamedTuple):
     """The rows a decode stage runs, with everything it reads of them."""
 
     index: jax.Array | None  # [S] int32: each row's original row (None: all B rows, in order)
     logits: jax.Array  # [S, V]: the logits of each row's next token
-    cache: tuple  # the KV cache of the S rows (transformer.init_cache's layout)
-    done: jax.Array  # [S] bool: the row has ended (EOS or a stop id)
+    cache: tuple  # the KV cache of the S rows (`start`: with the shared prompt until compacted)
+    done: jax.Array  # [S] bool: the row has ended
     key_valid: jax.Array  # [S, P + R] bool: real prompt slots, then every response slot
     first_position: jax.Array  # [S] int32: the position id of response token 0
+    length: jax.Array  # [S] int32: response slots filled (the next token's slot)
+
+
+class Carry(NamedTuple):
+    """The decode loop's carry."""
+
+    t: jax.Array  # [] int32: decode steps taken (without per_row: every live row's next slot)
+    rows: _Rows
+    ids: jax.Array  # [B, R] int32: the responses so far, at the original rows
+    mask: jax.Array  # [B, R] int32: 1 on sampled tokens
+    logps: jax.Array  # [B, R] float32
+    turn: Any = None  # the turn hook's state (multi-turn); None without one
+
+
+def when(pred, fn, operand):
+    """fn(operand) if pred else operand, as a `while_loop` of 0 or 1 trips: XLA updates a loop's
+    carry in place, where `lax.cond` copied every operand it passes through (the whole KV
+    cache)."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, fn(c[1])), (pred, operand))[1]
 
 
 def _compact(rows: _Rows, size: int) -> _Rows:
     """The `size` rows the next stage runs: every live row (at most `size` of them), then
     finished rows to fill the static size, each with its original row index."""
     keep = jnp.argsort(rows.done.astype(jnp.int32), stable=True)[:size]  # live rows first
-    take = lambda x: x[keep]
-    return _Rows(
-        keep if rows.index is None else rows.index[keep],
-        take(rows.logits),
-        jax.tree.map(take, rows.cache),
-        take(rows.done),
-        take(rows.key_valid),
-        take(rows.first_position),
-    )
+    index = keep if rows.index is None else rows.index[keep]
+    # the rows leave their groups' order: each reads its prompt from its own cache from now on
+    cache = tuple({"k": layer["k"], "v": layer["v"]} for layer in rows.cache)
+    rows = rows._replace(index=None, cache=cache)
+    return jax.tree.map(lambda x: x[keep], rows)._replace(index=index)
 
 
 def pin(cache):
@@ -143,16 +119,150 @@ def pin(cache):
     return partitioning.constrain(cache, partitioning.CACHE_AXES)
 
 
-def prefilled(model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples: int, r: int):
-    """A decode's start: (model, variables, prefill, logits of each row's first response token).
-    The prefill computes the keys / values of every prompt token once per prompt and copies them
-    into its `samples` rows' cache with the `r` response slots appended."""
-    model = transformer.Transformer(model_cfg)
-    params = transformer.unstack_layers(model_cfg, params)  # once, outside the decode loop
-    variables = transformer.variables(params)
-    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, r)
-    last_logits = transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head)
-    return model, variables, pre, last_logits
+def prepare(model_cfg, params):
+    """The variables every decode step reads, made ready once before the loop: the stacked
+    layers split, the matrices cast to the compute dtype (`transformer.unstack_layers`)."""
+    return transformer.variables(transformer.unstack_layers(model_cfg, params))
+
+
+def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opts: Options):
+    """The carry before token 0: the prompts prefilled once each (`transformer.prefill`, their
+    keys / values copied into their `samples` rows' cache), every row live. With samples > 1
+    the decode attention reads each prompt's keys / values once for its rows
+    (`transformer.with_shared_prompt`) until the rows are compacted."""
+    model = transformer.Transformer(model_cfg, decode=True)
+    pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, opts.r)
+    b = prompt_ids_BP.shape[0] * samples
+    cache = pre.cache
+    if samples > 1:
+        cache = transformer.with_shared_prompt(cache, pre.prompt_cache)
+    rows = _Rows(
+        None,
+        transformer.lm_logits(model_cfg, pre.last.hidden[:, -1], pre.last.head, decode=True),
+        pin(cache),
+        jnp.zeros((b,), bool),
+        pre.key_valid,
+        pre.first_position,
+        jnp.zeros((b,), jnp.int32),
+    )
+    return Carry(
+        jnp.int32(0),
+        rows,
+        jnp.full((b, opts.r), opts.pad_id, jnp.int32),
+        jnp.zeros((b, opts.r), jnp.int32),
+        jnp.zeros((b, opts.r), jnp.float32),
+    )
+
+
+def _slot(opts: Options, carry: Carry):
+    """The response slot of each row's next token: [S] with per_row, else t."""
+    return carry.rows.length if opts.per_row else carry.t
+
+
+def record(opts: Options, draws: Draws, carry: Carry):
+    """Samples the next token of every live row (pad for a finished one) at its response slot
+    into the [B, R] arrays, at the rows' original rows; nothing else moves. Returns (tokens [S],
+    stopped [S]: live rows whose token is EOS or a stop id, carry)."""
+    rows = carry.rows
+    slot = _slot(opts, carry)
+    rows_b = jnp.arange(rows.done.shape[0]) if rows.index is None else rows.index
+    logits_BV = rows.logits
+    if draws.forced_length is not None:
+        early = (slot < draws.forced_length[rows_b] - 1)[:, None]
+        eos = jnp.arange(logits_BV.shape[-1]) == opts.eos_id
+        logits_BV = jnp.where(early & eos, jnp.finfo(logits_BV.dtype).min, logits_BV)
+    token, logp = sample_token(
+        draws.uniforms_RB[jnp.minimum(slot, opts.r - 1), rows_b],
+        logits_BV,
+        temperature=opts.temperature,
+        top_k=opts.top_k,
+        top_p=opts.top_p,
+        greedy=opts.greedy,
+    )
+    forced = None
+    if draws.forced_length is not None:  # EOS written at the row's length
+        forced = jnp.where(slot == draws.forced_length[rows_b] - 1, opts.eos_id, -1)
+    if draws.force_ids is not None:
+        forced = draws.force_ids[rows_b, jnp.minimum(slot, opts.r - 1)]
+    if forced is not None:  # the policy's own log-prob of the forced token
+        token = jnp.where(forced >= 0, forced, token).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(rows.logits / opts.temperature, -1)
+        logp = jnp.take_along_axis(logp_BV, token[:, None], -1)[:, 0]
+    live = ~rows.done
+    token = jnp.where(live, token, opts.pad_id)
+    at = (rows_b, jnp.where(live, slot, opts.r))  # a finished row writes nothing (dropped)
+    put = lambda arr, x: arr.at[at].set(x.astype(arr.dtype), mode="drop")
+    carry = carry._replace(
+        ids=put(carry.ids, token),
+        mask=put(carry.mask, jnp.ones_like(token)),
+        logps=put(carry.logps, logp),
+    )
+    stop = token == opts.eos_id
+    for stop_id in opts.stop_ids:  # a few static ids (rollout.stop, the host's stop ids)
+        stop = stop | (token == stop_id)
+    return token, live & stop, carry
+
+
+def forward(model_cfg, variables, opts: Options, rows: _Rows, ids_SL, start, write):
+    """`ids_SL` [S, L] at response slots start + l of each row (`start` a scalar or [S]): their
+    keys / values written into the cache where `write` (a scalar True, or [S] bool: a row's
+    write is dropped where False), their attention over the real prompt slots and the response
+    slots up to their own, blockwise up to the last one (`transformer._masked_attention`).
+    Returns the model's `Output`."""
+    p, r = opts.p, opts.r
+    l = ids_SL.shape[1]
+    positions = (rows.first_position + start)[..., None] + jnp.arange(l)
+    positions = jnp.broadcast_to(positions, ids_SL.shape)
+    index = p + start if jnp.ndim(write) == 0 else jnp.where(write, p + start, p + r)
+    model = transformer.Transformer(model_cfg, decode=True)
+    return model.apply(variables, ids_SL, positions, rows.key_valid, rows.cache, index)
+
+
+def decode_step(model_cfg, variables, draws: Draws, opts: Options, carry: Carry):
+    """One decode step: the next token of every live row sampled and recorded (`record`), then
+    its forward, which writes its keys / values into the cache and gives the logits of the
+    token after it. Returns (carry, stopped [S]: the live rows whose token is EOS or a stop id;
+    what ends or pauses them is the caller's: `end_stopped` or a turn hook)."""
+    token, stopped, carry = record(opts, draws, carry)
+    rows = carry.rows
+    live = ~rows.done
+    slot = _slot(opts, carry)
+    out = forward(
+        model_cfg, variables, opts, rows, token[:, None], slot, live if opts.per_row else True
+    )
+    length = rows.length + live.astype(jnp.int32)
+    rows = rows._replace(
+        logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head, decode=True),
+        cache=pin(out.cache),
+        length=length,
+        done=rows.done | (length >= opts.r),
+    )
+    return carry._replace(t=carry.t + 1, rows=rows), stopped
+
+
+def end_stopped(carry: Carry, stopped) -> Carry:
+    """The one-turn rollout's turn hook: a row ends at EOS or a stop id."""
+    return carry._replace(rows=carry.rows._replace(done=carry.rows.done | stopped))
+
+
+def decode_body(model_cfg, variables, draws, opts, carry, hook=end_stopped) -> Carry:
+    """The decode loop's body: `decode_step`, then `hook(carry, stopped)` (`end_stopped`; the
+    multi-turn rollout's turn)."""
+    return hook(*decode_step(model_cfg, variables, draws, opts, carry))
+
+
+def decode_loop(model_cfg, variables, draws, opts, carry, hook=end_stopped, next_size: int = 0):
+    """Decodes the carry's rows until no live row has a response slot before the last one, or
+    (next_size > 0) no more rows are live than the next stage holds. The last slot's token needs
+    no forward: `record` samples it after the loop."""
+
+    def cond(carry):
+        live = ~carry.rows.done
+        going = jnp.any(live & (_slot(opts, carry) < opts.r - 1))
+        return going & (jnp.sum(live) > next_size) if next_size else going
+
+    body = lambda carry: decode_body(model_cfg, variables, draws, opts, carry, hook)
+    return jax.lax.while_loop(cond, body, carry)
 
 
 def generate(
@@ -192,97 +302,34 @@ def generate(
     row b never samples EOS before token `forced_length[b] - 1` and emits EOS there, so its
     response is exactly that long whatever the model samples. Its `log_probs` are the policy's
     (unmasked) log-probs of the tokens written. None: plain sampling."""
-    model, variables, pre, last_logits = prefilled(
-        model_cfg, params, prompt_ids_BP, prompt_mask_BP, samples, max_new_tokens
-    )
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
-    slots = jnp.arange(p + r)
-
-    uniforms_RB = jax.random.uniform(key, (r, b))  # every step's draws at once, before the loop
-    if forced_length is not None:
-        forced = _ForcedEos(jnp.asarray(forced_length, jnp.int32), eos_id, temperature)
-
-    def record(t, rows: _Rows, ids, mask, logps):
-        """Samples response token t of every live row (pad for a finished one) into the [B, R]
-        arrays, at the rows' original rows. Returns (tokens [S], done [S], ids, mask, logps)."""
-        of_rows = lambda x_B: x_B if rows.index is None else x_B[rows.index]
-        logits_BV = rows.logits
-        if forced_length is not None:
-            row_forced = forced._replace(length_B=of_rows(forced.length_B))
-        sample_logits = logits_BV if forced_length is None else row_forced.mask_eos(t, logits_BV)
-        token, logp = sample_token(
-            of_rows(uniforms_RB[t]),
-            sample_logits,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=greedy,
-        )
-        if forced_length is not None:
-            token, logp = row_forced.write_eos(t, token, logits_BV)
-        live = ~rows.done
-        token = jnp.where(live, token, pad_id)
-        at = (slice(None) if rows.index is None else rows.index, t)
-        ids = ids.at[at].set(token)
-        mask = mask.at[at].set(live.astype(jnp.int32))
-        logps = logps.at[at].set(jnp.where(live, logp, 0.0))
-        stop = token == eos_id
-        for stop_id in stop_ids:  # a few static ids (rollout.stop)
-            stop = stop | (token == stop_id)
-        return token, rows.done | stop, ids, mask, logps
-
-    # The loops sample tokens 0 .. R-2, each followed by its forward (the next token's logits);
-    # the last token needs no forward, so it is sampled after the loop (after each stage's loop).
-    def decode_stage(carry, next_size: int):
-        """Decodes the carry's rows until every row has ended, t = R - 1, or (next_size > 0) no
-        more rows are live than the next stage holds."""
-
-        def cond(carry):
-            t, rows, *_ = carry
-            live = jnp.sum(~rows.done)
-            return (t < r - 1) & (live > next_size if next_size else live > 0)
-
-        def body(carry):
-            t, rows, ids, mask, logps = carry
-            token, done, ids, mask, logps = record(t, rows, ids, mask, logps)
-            # the real prompt slots and the response slots written so far (this token's included)
-            step_mask = rows.key_valid[:, None, :] & (slots <= p + t)[None, None, :]
-            pos = (rows.first_position + t)[:, None]
-            out = model.apply(variables, token[:, None], pos, step_mask, rows.cache, p + t)
-            logits = transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head)
-            rows = rows._replace(logits=logits, cache=pin(out.cache), done=done)
-            return t + 1, rows, ids, mask, logps
-
-        return jax.lax.while_loop(cond, body, carry)
-
+    opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
+    variables = prepare(model_cfg, params)  # once, outside the decode loop
+    forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
+    draws = Draws(jax.random.uniform(key, (r, b)), forced)  # every step's draws, before the loop
     shards = partitioning.context_shards("batch")
     stages = decode_stages(b, shards, compact_min_rows) if compact_min_rows > 0 else (b,)
-    rows = _Rows(
-        None,
-        last_logits,
-        pin(pre.cache),
-        jnp.zeros((b,), bool),
-        pre.key_valid,
-        pre.first_position,
-    )
-    carry = (
-        jnp.int32(0),
-        rows,
-        jnp.full((b, r), pad_id, jnp.int32),
-        jnp.zeros((b, r), jnp.int32),
-        jnp.zeros((b, r), jnp.float32),
-    )
-    for i, size in enumerate(stages):
-        t, rows, *outputs = carry
-        if i:  # the live rows move into a batch of `size` rows
-            rows = _compact(rows, size)
-            rows = rows._replace(cache=pin(rows.cache))
+
+    def run_from(i: int, carry: Carry) -> Carry:
+        """Stage i and the ones after it; the carry's rows are stage i's."""
         next_size = stages[i + 1] if i + 1 < len(stages) else 0
-        t, rows, *outputs = decode_stage((t, rows, *outputs), next_size)
+        with jax.named_scope("decode"):
+            carry = decode_loop(model_cfg, variables, draws, opts, carry, next_size=next_size)
         # Token t of the stage's rows: the last token when t = R - 1 (a stage that stops there
-        # may hold more live rows than the next one), pads over pads when every row has ended.
-        # When a next stage goes on, it samples token t again, the same way.
-        *_, ids, mask, logps = record(t, rows, *outputs)
-        carry = (t, rows, ids, mask, logps)
-    return Rollout(ids, mask, logps)
+        # may hold more live rows than the next one), nothing when every row has ended. When
+        # a next stage goes on, it samples token t again, the same way.
+        carry = record(opts, draws, carry)[2]
+        if not next_size:
+            return carry
+
+        def rest(c: Carry) -> Carry:  # the live rows move into a batch of `size` rows
+            rows = _compact(c.rows, next_size)
+            out = run_from(i + 1, c._replace(rows=rows._replace(cache=pin(rows.cache))))
+            return c._replace(t=out.t, ids=out.ids, mask=out.mask, logps=out.logps)
+
+        # none live (every row ended in this stage): no gather of the caches, no later stage
+        return when(jnp.any(~carry.rows.done), rest, carry)
+
+    carry = run_from(0, start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts))
+    return Rollout(carry.ids, carry.mask, carry.logps)

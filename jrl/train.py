@@ -7,20 +7,37 @@ Multi-host (TPU pods, multi-node GPU): every process runs the same command with 
 JAX_COORDINATOR_ADDRESS) or with `--coordinator_address/--num_processes/--process_id`; the
 workdir must be shared (gs:// or a shared filesystem).
 
-Exit status: 0 done; 2 bad config or arguments (nothing written); 42 preempted (SIGTERM / SIGINT /
-TPU preemption notice: the step finished and a checkpoint was written; rerun with the same
---workdir to continue); 43 a second signal stopped it at once (rerun resumes from the last
-committed checkpoint); 3 stopped by the NaN guard (nan_guard.max_consecutive non-finite steps in
-a row, or one with the guard off; the message names the quantity); 2 also when another live
-run holds --workdir or a resume finds other config fields or input files (jrl/run/workdir.py); 4 a
-write to the workdir failed (a full disk: the message names the path; rerun to resume).
+Exit status: 0 done; 2 bad config, arguments or input files (nothing written); 42 preempted
+(SIGTERM / SIGINT / TPU preemption notice: the step finished and a checkpoint was written; during
+start-up, before the first step was done, or when a stop abandoned a user reward, it exits at once
+and the committed checkpoints are the resume point; rerun with the same --workdir to continue); 43
+a second signal stopped it at once (rerun resumes from the last committed checkpoint); 3 stopped
+by the NaN guard (nan_guard.max_consecutive non-finite steps in a row, or one with the guard off;
+the message names the quantity); 2 also when another live run holds --workdir or a resume finds
+other config fields or input files (jrl/run/workdir.py); 4 a write to the workdir failed (a full
+disk: the message names the path; rerun to resume); 5 the reward function failed (it raised,
+returned something other than one finite float per response, exited, or ran past
+reward.timeout_s: the message names the sample; nothing of that step is kept, the checkpoints
+before it are intact).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+
+if __name__ == "__main__":  # a signal while the modules below load: nothing to save yet
+
+    def _exit_preempted(signum, frame):
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name} while starting: exiting now with code 42.\n".encode())
+        os._exit(42)  # checkpoint.PREEMPTED_EXIT_CODE
+
+    signal.signal(signal.SIGTERM, _exit_preempted)
+    signal.signal(signal.SIGINT, _exit_preempted)
+
 import gc
 import json
-import os
 import sys
 import time
 
@@ -28,8 +45,9 @@ from absl import app, flags
 import jax
 
 from jrl.run import checkpoint as checkpoint_lib
-from jrl.run import cli, console, trainer
+from jrl.run import cli, console, targets, trainer
 from jrl import config as config_lib
+from jrl import rewards
 from jrl.run import workdir as workdir_lib
 
 _CONFIG = cli.define_config()
@@ -81,16 +99,27 @@ def _exit_after_write_error(code: int, message: str, workdir: str) -> None:
     os._exit(code)
 
 
+REWARD_ERROR_EXIT_CODE = 5  # the reward function failed (README's exit-status table)
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # cli.parse_flags refused positional arguments
+    # A signal from here on: before the first step is done, exit 42 at once; then, stop after
+    # the step and save it (jrl/run/checkpoint.py, PreemptionGuard).
+    with checkpoint_lib.PreemptionGuard(at_once=True) as guard:
+        _main(guard)
+
+
+def _main(guard):
     console.quiet_console(verbosity_given=flags.FLAGS["verbosity"].present)
+    targets.use_gpu_flags()  # before any device use (XLA reads XLA_FLAGS when it starts)
     cfg = _CONFIG.value
     if cfg is None:
         sys.exit("error: --config is required, e.g. --config=configs/grpo_math.py")
     trainer.init_distributed(
         _DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     )
+    guard.reinstall()  # after JAX's preemption notifier took SIGTERM (multi-process runs)
     if jax.process_count() > 1 and not _WORKDIR.value:
         cli.fail(
             "a multi-process run needs --workdir, shared by all processes "
@@ -100,13 +129,17 @@ def main(argv):
     workdir = _WORKDIR.value or os.path.join("runs", config_name, time.strftime("%Y%m%d-%H%M%S"))
     try:
         config_lib.validate(cfg)  # raises ConfigError only before anything is written
-        final = trainer.run(cfg, workdir, fresh=_FRESH.value, allow_changes=_ALLOW_CHANGES.value)
+        final = trainer.run(
+            cfg, workdir, fresh=_FRESH.value, allow_changes=_ALLOW_CHANGES.value, guard=guard
+        )
     except (config_lib.ConfigError, checkpoint_lib.CheckpointError) as e:
         failure = (2, str(e))
     except workdir_lib.WriteError as e:
         _exit_after_write_error(workdir_lib.WRITE_ERROR_EXIT_CODE, str(e), workdir)
     except trainer.NonFiniteError as e:
         failure = (3, str(e))
+    except rewards.RewardFailed as e:
+        failure = (REWARD_ERROR_EXIT_CODE, str(e))
     else:
         summary = {k: final[k] for k in ("val/accuracy_first", "val/accuracy")}
         print(json.dumps({"workdir": workdir, **summary}))

@@ -17,8 +17,9 @@
 #   CONFIG        config file and presets           (configs/grpo_math.py:mesh=gpu8)
 #   WORKDIR       output directory, local or gs://   (runs/<config name>/<time>, fixed for reruns)
 #   PYTHON        the Python that has jrl installed  (python)
-#   MAX_RESTARTS  reruns after exit 42 (preempted: SIGTERM, checkpoint written); each rerun resumes
-#                 from the workdir's newest checkpoint  (0)
+#   MAX_RESTARTS  reruns after exit 42 (preempted: SIGTERM, checkpoint written, or a SIGTERM while
+#                 it started); each rerun resumes from the workdir's newest checkpoint; other
+#                 statuses (2 bad input, 3 NaN guard, 4 write error, 5 reward error) end it  (0)
 #   XLA_PYTHON_CLIENT_MEM_FRACTION  share of GPU memory JAX takes at start  (0.90)
 #   XLA_FLAGS     extra XLA flags; --xla_gpu_enable_latency_hiding_scheduler=true is added
 #   JAX_COMPILATION_CACHE_DIR       persistent compilation cache: reruns skip compiling

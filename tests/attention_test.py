@@ -199,3 +199,134 @@ def test_splash_runs_per_shard_under_a_mesh(mesh_shape):
         got = _value_and_grads(q, k, v, ct, implementation="splash", window=40, block_size=128)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+# Decode attention: L new queries per row at ragged cache slots against the materialised
+# reference (`attend_head_major` over the whole cache with a [B, L, S] mask).
+# (rows, queries per row, query heads, kv heads, slots, block, window, softcap)
+DECODE_CASES = {
+    "gqa_ragged_fills": (3, 1, 4, 2, 37, 8, None, None),
+    "window_lt_block": (3, 1, 4, 2, 37, 8, 5, None),
+    "softcap_window_gt_block": (3, 1, 4, 1, 40, 8, 13, 3.0),
+    "four_queries_a_row": (3, 4, 6, 2, 29, 8, None, None),
+    "block_ge_slots": (3, 2, 4, 4, 20, 64, 7, 2.0),
+}
+
+
+def _decode_inputs(rows, l, n, k, s, seed, window=None):
+    r = np.random.RandomState(seed)
+    d = 8
+    q = jnp.asarray(r.randn(rows, l, k, n // k, d), jnp.float32)
+    kk, v = (jnp.asarray(r.randn(rows, k, s, d), jnp.float32) for _ in range(2))
+    # ragged fills, the last query short of the end; with a window, past the first blocks
+    low = 2 if window is None else s // 2 - 2
+    starts = np.array([low, s // 2 + 3, 2 * s // 3 - l][:rows], np.int32)
+    pad = np.array([0, 2, 1][:rows])  # left padding of a 4-slot prompt
+    valid = np.ones((rows, s), bool)
+    for row, p in enumerate(pad):
+        valid[row, :p] = False
+    return q, kk, v, jnp.asarray(valid), jnp.asarray(starts)
+
+
+def _decode_reference(q, k, v, valid, starts, scale, softcap, window):
+    l, s = q.shape[1], k.shape[2]
+    q_slot = starts[:, None] + np.arange(l)[None]  # [B, L]
+    slots = np.arange(s)
+    mask = valid[:, None, :] & (slots <= q_slot[..., None])
+    if window is not None:
+        mask = mask & (slots > q_slot[..., None] - window)
+    bias = attention.mask_bias(jnp.asarray(mask))[:, None, None]
+    return attention.attend_head_major(q, k, v, bias, scale, softcap)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_decode_attention_matches_the_materialised_reference(case):
+    """Traced bounds (the decode loop's) and static ones (the decode report's) give the
+    reference's values; the blocks past the last query's slot, and before the earliest
+    query's window, are never read: NaN there changes nothing."""
+    rows, l, n, kh, s, block, window, softcap = case
+    q, k, v, valid, starts = _decode_inputs(rows, l, n, kh, s, seed=s + l, window=window)
+    want = _decode_reference(q, k, v, valid, starts, SCALE, softcap, window)
+    kw = dict(scale=SCALE, softcap=softcap, window=window, block_size=block)
+    end, first = int(starts.max()) + l, int(starts.min())
+    # what the blocks cover: from the window's first slot (or 0), whole blocks, then quarter
+    # blocks to `end` (the last one may reach past it; one past S is read from S - its size)
+    big = min(block, s)
+    small = max(big // 4, 1)
+    lo = 0 if window is None else max(first - window + 1, 0)
+    rest = lo + (end - lo) // big * big
+    read_to = rest + -(-(end - rest) // small) * small
+    unread = (np.arange(s) < lo) | (np.arange(s) >= read_to)
+    if read_to > s:  # the last block is read from S - small
+        unread &= np.arange(s) < s - small
+    assert unread.any() or big == s  # the cases leave slots unread
+    k_nan, v_nan = (jnp.where(jnp.asarray(unread)[:, None], jnp.nan, x) for x in (k, v))
+    q_slot = starts[:, None] + jnp.arange(l)[None]
+
+    @jax.jit
+    def traced(q, k, v, valid, q_slot, end, first):
+        return attention.decode_attention(q, k, v, valid, q_slot, end, first_slot=first, **kw)
+
+    got = traced(q, k_nan, v_nan, valid, q_slot, jnp.int32(end), jnp.int32(first))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    static = attention.decode_attention(q, k_nan, v_nan, valid, q_slot, end, first_slot=first, **kw)
+    np.testing.assert_allclose(static, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_in_bfloat16_close_to_the_reference_in_float32():
+    """bf16 inputs: within bf16 rounding of the float32 reference (scores and sums in float32)."""
+    q, k, v, valid, starts = _decode_inputs(3, 1, 4, 2, 37, seed=0, window=9)
+    want = _decode_reference(q, k, v, valid, starts, SCALE, 3.0, 9)
+    bf = lambda x: x.astype(jnp.bfloat16)
+    got = attention.decode_attention(
+        bf(q),
+        bf(k),
+        bf(v),
+        valid,
+        starts[:, None],
+        int(starts.max()) + 1,
+        first_slot=int(starts.min()),
+        scale=SCALE,
+        softcap=3.0,
+        window=9,
+        block_size=8,
+    )
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "window, softcap, block",
+    [(None, None, 4), (6, 2.0, 4), (None, None, 64)],
+    ids=["gqa", "window_softcap", "one_block"],
+)
+def test_decode_attention_reads_a_shared_prompt_once_per_group(window, softcap, block):
+    """Two prompts of 8 slots (left padding 3 and 1), 3 rows each (B = 6) with ragged response
+    fills, the prompt's keys / values given once per group (`prompt`): the reference's values
+    over the rows' whole caches, whose prompt slots hold NaN (so they are never read)."""
+    r = np.random.RandomState(1)
+    groups, n, p, s, kh, g, d = 2, 3, 8, 29, 2, 3, 8
+    b = groups * n
+    q = jnp.asarray(r.randn(b, 1, kh, g, d), jnp.float32)
+    k_p, v_p = (jnp.asarray(r.randn(groups, kh, p, d), jnp.float32) for _ in range(2))
+    k_resp, v_resp = (jnp.asarray(r.randn(b, kh, s, d), jnp.float32) for _ in range(2))
+    valid_p = np.arange(p)[None] >= np.array([[3], [1]])
+    valid = np.concatenate([np.repeat(valid_p, n, 0), np.ones((b, s - p), bool)], 1)
+    starts = jnp.asarray([p, p + 5, p + 13, p + 2, p + 9, p + 17], jnp.int32)  # ragged
+    rows = lambda x: jnp.repeat(x, n, 0)
+    k_full = jnp.concatenate([rows(k_p), k_resp[:, :, p:]], 2)
+    v_full = jnp.concatenate([rows(v_p), v_resp[:, :, p:]], 2)
+    want = _decode_reference(q, k_full, v_full, valid, starts, SCALE, softcap, window)
+    nan_prompt = lambda x: x.at[:, :, :p].set(jnp.nan)
+    kw = dict(scale=SCALE, softcap=softcap, window=window, block_size=block)
+    end, first = int(starts.max()) + 1, int(starts.min())
+
+    @jax.jit
+    def traced(q, k, v, end, first):
+        prompt = (k_p, v_p, jnp.asarray(valid_p))
+        return attention.decode_attention(
+            q, k, v, jnp.asarray(valid), starts[:, None], end, first_slot=first, prompt=prompt, **kw
+        )
+
+    got = traced(q, nan_prompt(k_full), nan_prompt(v_full), jnp.int32(end), jnp.int32(first))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

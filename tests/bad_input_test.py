@@ -18,6 +18,10 @@ Where each bad-input case of the issue is tested (tr = tests/train_test.py):
 - prompts too long, dropped or truncated as configured and counted: here,
   test_long_prompts_are_counted_in_the_step_0_row (the task's own counts:
   tests/math_data_test.py::test_drop_truncate_and_error_overlong_prompts)
+- an infinite learning rate (every float field must be finite), a positional argument, a
+  truncated safetensors file of model.hf_path: here, [infinite_learning_rate],
+  [positional_argument], [truncated_safetensors] (a truncated GGUF file:
+  tests/gguf_test.py::test_a_truncated_gguf_is_one_line_before_any_tensor_is_read)
 - a data file without read permission: here, test_data_file_without_read_permission (in
   process, the permission check answered "no": as root, which these tests may run as, every file
   is readable)
@@ -36,6 +40,7 @@ import concurrent.futures
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -89,6 +94,11 @@ def data(tmp_path_factory):
     (d / "not_a_tokenizer" / "README.txt").write_text("model card only")
     (d / "corrupt_tokenizer").mkdir()
     (d / "corrupt_tokenizer" / "tokenizer.json").write_text("{ not json")
+    # A Hugging Face checkpoint whose safetensors file was cut short (an interrupted copy)
+    shutil.copytree(os.path.join(REPO, "tests", "golden", "llama"), d / "truncated_hf")
+    weights = d / "truncated_hf" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 1000)
     return str(d)
 
 
@@ -134,6 +144,21 @@ CASES = {
     "negative_learning_rate": (
         ["--config.actor.lr=-0.001"],
         ["error: actor.lr=-0.001 must be >= 0."],
+    ),
+    "infinite_learning_rate": (
+        ["--config.actor.lr=inf"],
+        ["error: actor.lr=inf is not a finite number; give a finite value (the default: 0.001)."],
+    ),
+    "positional_argument": (
+        ["--config.total_steps=3", "stray"],
+        ["error: unexpected argument 'stray': every setting is a flag, --name=value"],
+    ),
+    "truncated_safetensors": (
+        ["--config.model.hf_path=DATA/truncated_hf"],
+        [
+            "error: DATA/truncated_hf/model.safetensors is not a readable safetensors file",
+            "it is damaged or was not fully written; copy or download it again.",
+        ],
     ),
     "clip_ratio_out_of_range": (
         ["--config.actor.clip_ratio_low=1.5"],

@@ -206,7 +206,23 @@ def _delete_extra(step_dir):
     (step_dir / "extra" / "metadata").unlink()
 
 
-@pytest.mark.parametrize("corrupt", [_truncate_arrays, _delete_manifest, _delete_extra])
+def _overwrite_64_bytes(step_dir, item="state"):
+    """Bytes changed on disk, the sizes kept: orbax alone reads such a file without a word."""
+    files = [p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"]
+    big = max(files, key=lambda p: p.stat().st_size)
+    with open(big, "r+b") as f:
+        f.seek(big.stat().st_size // 2 - 32)
+        f.write(np.random.default_rng(0).bytes(64))
+
+
+def _drop_checksums(step_dir):
+    (step_dir / ckpt_lib.CHECKSUMS_FILE).unlink()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_truncate_arrays, _delete_manifest, _delete_extra, _overwrite_64_bytes, _drop_checksums],
+)
 def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
     with checkpointer(tmp_path) as ck:
         for s in (1, 2, 3):
@@ -224,6 +240,36 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, corrupt):
         "unreadable checkpoint" in r.getMessage() and str(newest) in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_each_checkpoint_lists_its_files_checksums(tmp_path, async_save):
+    """Written in orbax's commit (the tmp directory held no checksums before): every file of the
+    state / extra / meta items, with its size and CRC-32 as zlib computes it from the file."""
+    import json
+    import zlib
+
+    with checkpointer(tmp_path, async_save=async_save) as ck:
+        ck.save(1, make_state(with_ref=True), {"s": 1})
+    for step_dir in (tmp_path / "checkpoints" / "1", tmp_path / "reference" / "0"):
+        listed = json.loads((step_dir / ckpt_lib.CHECKSUMS_FILE).read_text())["files"]
+        files = [p for p in step_dir.rglob("*") if p.is_file() and p.parent != step_dir]
+        assert sorted(listed) == sorted(str(p.relative_to(step_dir)) for p in files)
+        assert {p.split("/")[0] for p in listed} >= {"meta"}
+        for p in files:
+            want = listed[str(p.relative_to(step_dir))]
+            assert want == {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())}
+        assert ckpt_lib.damage(step_dir) is None
+
+
+def test_a_damaged_reference_is_one_line(tmp_path):
+    with checkpointer(tmp_path) as ck:
+        ck.save(1, make_state(with_ref=True), {})
+    _overwrite_64_bytes(tmp_path / "reference" / "0", item="params")
+    with checkpointer(tmp_path) as ck, pytest.raises(ckpt_lib.CheckpointError) as e:
+        ck.restore_latest(jax.eval_shape(lambda: make_state(with_ref=True)))
+    assert "\n" not in str(e.value) and "reference params" in str(e.value)
+    assert "CRC-32 mismatch" in str(e.value) and "--fresh" in str(e.value)
 
 
 def test_unfinished_save_is_skipped_with_a_warning(tmp_path, caplog):
@@ -302,6 +348,52 @@ def test_guard_sets_flag_and_restores_handlers(sig):
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     assert isinstance(ckpt_lib.Preempted(3), SystemExit)
     assert ckpt_lib.Preempted(3).code == ckpt_lib.PREEMPTED_EXIT_CODE
+
+
+_STARTING = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from jrl.run import checkpoint as ckpt_lib
+
+with ckpt_lib.PreemptionGuard(at_once=True) as guard:
+    guard.on_exit.append(lambda: print("released", flush=True))
+    with guard.writing():
+        print("writing", flush=True)
+        with open({path!r}, "w") as f:
+            for i in range(10):
+                f.write(f"line {{i}}\\n")
+                f.flush()
+                time.sleep(0.1)
+    time.sleep(60)  # the start-up's long compile
+"""
+
+
+def test_a_signal_while_starting_exits_42_once_the_write_in_progress_ends(tmp_path):
+    path = tmp_path / "config.json"
+    script = _STARTING.format(repo=str(REPO), path=str(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # in the middle of the 1 s write
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == ckpt_lib.PREEMPTED_EXIT_CODE, err
+    assert time.monotonic() - t < 20  # not after the 60 s "compile"
+    assert path.read_text() == "".join(f"line {i}\n" for i in range(10))  # written whole
+    assert out.strip() == "released" and "SIGTERM while starting: exiting now" in err
+
+
+def test_the_first_signal_after_defer_is_a_request():
+    with ckpt_lib.PreemptionGuard(at_once=True) as guard:
+        called = []
+        guard.on_request.append(lambda: called.append(1))
+        guard.defer()
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: no exit
+        deadline = time.monotonic() + 5
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard.requested and called == [1]
 
 
 # A training loop in a child process: one "step" takes a while; the parent signals it.

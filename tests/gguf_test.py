@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from jrl import models
 from jrl import tokenizer as tokenizer_lib
-from jrl.models import hf
+from jrl.models import hf, pretrained
 from jrl.models import transformer as tfm
 from conftest import tiny_gemma, tiny_model
 
@@ -207,6 +207,26 @@ def test_gguf_errors_are_one_line(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="architecture 'phi2' is not supported; supported: llama"):
         models.load_config(tmp_path / "phi.gguf")
+
+
+def test_a_truncated_gguf_is_one_line_before_any_tensor_is_read(tmp_path):
+    """A download cut short: the header parses, but the last tensors' bytes are missing."""
+    _, path = _write_checkpoints(LLAMA, tmp_path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ValueError) as e:
+        models.load_config(path)
+    message = str(e.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        rf"'{path}' is truncated: tensor \S+ ends at byte (\d+) but the file has {size - 100}; "
+        "download or copy it again.",
+        message,
+    ), message
+    assert int(re.search(r"ends at byte (\d+)", message).group(1)) > size - 100
+    with pytest.raises(ValueError, match="is truncated"):
+        pretrained.check_files(path)
 
 
 def _real_gguf():

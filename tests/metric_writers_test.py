@@ -134,6 +134,20 @@ def test_trim_metrics_and_write_text_local(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl"]
 
 
+def test_trim_metrics_drops_damaged_lines_with_a_warning(tmp_path, caplog):
+    """Bytes that are not UTF-8, JSON that is not a row (a list, a row without an int step)
+    among good rows: dropped, counted in one warning; the good rows kept in order."""
+    good = [json.dumps({"step": s}).encode() for s in range(4)]
+    bad = [bytes(range(128, 256)), b"[1, 2]", b'{"x": 1}', b'{"step": "2"}']
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\n".join([good[0], bad[0], good[1], *bad[1:], good[2], good[3]]) + b"\n")
+    with caplog.at_level("WARNING"):
+        metric_writers.trim_metrics(str(tmp_path), 2)
+    assert path.read_bytes() == b"\n".join(good[:3]) + b"\n"
+    (warning,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert warning.startswith(f"{path}: dropped 4 line(s) that are not JSON rows with a step")
+
+
 class _Upload(io.BytesIO):
     """A write handle of the fake store: the object appears, whole, when the handle closes."""
 

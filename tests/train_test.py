@@ -93,6 +93,20 @@ def test_tiny_run_three_steps_finite_metrics_single_compile(tmp_path, monkeypatc
         ("rollout.n", 1, r"needs rollout.n >= 2 \(got 1\)"),
         ("actor.clip_ratio_high", 1.5, r"actor.clip_ratio_high=1.5 must be in \(0, 1\)"),
         ("actor.lr", -1e-3, r"actor.lr=-0.001 must be >= 0"),
+        (
+            "actor.lr",
+            float("inf"),
+            r"actor.lr=inf is not a finite number; give a finite value \(the default: 0.001\).",
+        ),
+        ("critic.lr", float("nan"), r"critic.lr=nan is not a finite number"),
+        (
+            "actor.betas",
+            (0.9, float("inf")),
+            r"actor.betas=\(0.9, inf\) holds inf, which is not a finite number; give a finite "
+            r"value \(the default: \(0.9, 0.999\)\).",
+        ),
+        ("reward.timeout_s", float("inf"), r"reward.timeout_s=inf is not a finite number"),
+        ("reward.timeout_s", 0.0, r"reward.timeout_s=0.0 must be > 0 \(seconds per call"),
     ],
 )
 def test_config_errors_name_the_field_and_fix(field, value, message):

@@ -67,6 +67,14 @@ IMPLEMENTATIONS = Registry(
     dict.fromkeys(("auto", "xla", "blockwise", "cudnn", "splash")),
 )
 
+# Decode attention over a KV cache (`ModelConfig.decode_attention`): "blockwise" reads the
+# filled blocks only (`decode_attention`), "xla" the whole cache in one materialised pass (the
+# reference; docs/performance.md, "Decode", compares them).
+DECODE_IMPLEMENTATIONS = Registry(
+    "decode attention implementation (ModelConfig.decode_attention)",
+    dict.fromkeys(("blockwise", "xla")),
+)
+
 _MASKED = float(np.finfo(np.float32).min)  # score of a hidden key, as in transformer.py
 _CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
@@ -215,16 +223,17 @@ def attend(q_BLKGD, k_BSKD, v_BSKD, bias, scale: float, softcap: float | None = 
 
 def attend_head_major(q_BLKGD, k_BKSD, v_BKSD, bias, scale: float, softcap: float | None = None):
     """`attend` with keys / values already head-major [B, K, S, D] (the KV cache's layout).
-    Scores and softmax in float32, the probabilities cast to the compute dtype before the product
-    with v. The products run head-major ([B, K, G*L, D] x [B, K, D, S]) and the mask is added
-    rather than selected: on XLA:CPU this layout and the additive mask made attention 1.6x faster
+    Scores (the q.k product taken in float32, not rounded to the compute dtype) and softmax in
+    float32, the probabilities cast to the compute dtype before the product with v. The
+    products run head-major ([B, K, G*L, D] x [B, K, D, S]) and the mask is added rather than
+    selected: on XLA:CPU this layout and the additive mask made attention 1.6x faster
     than the einsum over [B, L, ...], and a head-major cache spares the decode loop a transpose
     of every layer's cache at every step (decode attention 2.8x faster)."""
     dt = q_BLKGD.dtype
     q = q_BLKGD.transpose(0, 2, 3, 1, 4)  # [B, K, G, L, D]
     k, v = k_BKSD.astype(dt), v_BKSD.astype(dt)
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k)
-    scores = _softcap(scores.astype(jnp.float32) * scale, softcap) + bias
+    scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
+    scores = _softcap(scores * scale, softcap) + bias
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return jnp.einsum("bkgls,bksd->bkgld", probs, v).transpose(0, 3, 1, 2, 4)
 
@@ -324,3 +333,147 @@ def _splash_kernel(num_heads, seq_len, window, softcap, block, interpret):
             attn_logits_soft_cap=softcap,
             interpret=interpret,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention: new queries over a KV cache, reading only the blocks of keys they can see.
+
+
+def decode_attention(
+    q_BLKGD,
+    k_BKSD,
+    v_BKSD,
+    key_valid_BS,
+    q_slot_BL,
+    end,
+    *,
+    first_slot=0,
+    prompt=None,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    block_size: int = 512,
+):
+    """Attention of L new queries per row over a head-major KV cache, reading only the key
+    blocks some query sees. [B, L, K, G, D] in q's dtype.
+
+    q [B, L, K, G, D] (the G query heads of each kv head) sits at cache slots q_slot [B, L];
+    keys / values [B, K, S, D]. Key slot s is visible to query (b, l) when key_valid[b, s],
+    s <= q_slot[b, l] and, with `window` w, s > q_slot[b, l] - w. `end` bounds the visible
+    slots (max q_slot + 1 or more): a Python int, or a traced scalar (then the blocks run in
+    `while_loop`s that stop there); with a window the blocks start at the one that holds slot
+    `first_slot` - w + 1 (`first_slot`: min q_slot or less, an int or traced); without one at
+    slot 0. The cache is read from there in whole blocks of `block_size` slots, then in blocks
+    a quarter as long up to `end` (fewer than a quarter block is read past it: the cache's
+    slots there must hold finite values, as the rollout's zeros do until written), with an
+    online softmax: a running max, sum and float32 output per query, scores and sums in
+    float32, the products taken with `preferred_element_type=float32`. No [.., S] score array
+    is formed. The probabilities are cast to the values' dtype before their product with v, as
+    in `attend_head_major`. A query that sees no key gets 0.
+
+    `prompt` = (k [P', K, P, D], v, key_valid [P', P]): the first P slots of every row's
+    keys / values once per group of B / P' consecutive rows (a GRPO group's samples share
+    their prompt): those slots are read from here, once per group, and the rows' own cache
+    only from slot P on. Every query must sit at slot P or later."""
+    b, l, kh, g, d = q_BLKGD.shape
+    s = k_BKSD.shape[2]
+    q = q_BLKGD.transpose(0, 2, 3, 1, 4)  # [B, K, G, L, D]
+    dt = v_BKSD.dtype
+    static = isinstance(end, int) and (window is None or isinstance(first_slot, int))
+    start = 0
+    if window is not None:
+        lowest = first_slot - window + 1
+        start = max(lowest, 0) if isinstance(lowest, int) else jnp.maximum(lowest, 0)
+    maximum = max if static else jnp.maximum
+    big = min(block_size, s)
+    small = max(big // 4, 1)
+
+    def segment(carry, q_KGLD, k, v, valid, q_slot, lo, hi):
+        """The online softmax (`carry`) over slots [lo, hi) of keys / values k, v [R', K, S', D]
+        for queries q_KGLD [R', K, G, L', D] at slots q_slot [R', L']."""
+        s_seg = k.shape[2]
+        seg_big = min(big, s_seg)
+        seg_small = max(min(small, seg_big), 1)
+
+        def block(blk, first_of):
+            def attend_block(j, carry):
+                m, total, acc = carry  # [R', K, G', L'] x 2, [R', K, G', L', D] (float32)
+                first = first_of(j)
+                at = jnp.minimum(first, s_seg - blk)  # past S' - blk: read from S' - blk
+                k_blk = lax.dynamic_slice_in_dim(k, at, blk, axis=2)
+                v_blk = lax.dynamic_slice_in_dim(v, at, blk, axis=2)
+                slot = at + lax.iota(jnp.int32, blk)  # [blk]
+                seen = lax.dynamic_slice_in_dim(valid, at, blk, axis=1)  # [R', blk]
+                q_at = q_slot[..., None]  # [R', L', 1]
+                visible = seen[:, None, :] & (slot <= q_at) & (slot >= first)  # none twice
+                if window is not None:
+                    visible = visible & (slot > q_at - window)
+                scores = jnp.einsum(
+                    "bkgld,bksd->bkgls", q_KGLD, k_blk, preferred_element_type=jnp.float32
+                )
+                scores = _softcap(scores * scale, softcap)
+                scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # none seen yet: no rescale
+                probs = jnp.exp(scores - m_safe[..., None])
+                rescale = jnp.exp(m - m_safe)
+                total = total * rescale + jnp.sum(probs, axis=-1)
+                pv = jnp.einsum(
+                    "bkgls,bksd->bkgld", probs.astype(dt), v_blk, preferred_element_type=jnp.float32
+                )
+                return m_new, total, acc * rescale[..., None] + pv
+
+            return attend_block
+
+        def blocks(carry, blk, lo, n):
+            """`n` blocks of `blk` slots from slot `lo` on."""
+            fn = block(blk, lambda j: lo + j * blk)
+            if static:
+                for j in range(n):
+                    carry = fn(j, carry)
+                return carry
+            return lax.fori_loop(0, n, fn, carry)
+
+        # Whole blocks of `block_size` from `lo`, then the rest up to `hi` in blocks a quarter
+        # as long: the slots read past `hi` are fewer than a quarter block.
+        whole = maximum(hi - lo, 0) // seg_big
+        carry = blocks(carry, seg_big, lo, whole)
+        rest = lo + whole * seg_big
+        return blocks(carry, seg_small, rest, (maximum(hi - rest, 0) + seg_small - 1) // seg_small)
+
+    carry = (
+        jnp.full((b, kh, g, l), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kh, g, l), jnp.float32),
+        jnp.zeros((b, kh, g, l, d), jnp.float32),
+    )
+    lo = 0
+    if prompt is not None:  # the prompt's slots once per group, its n rows' queries together
+        k_p, v_p, valid_p = prompt
+        groups, p = k_p.shape[0], k_p.shape[2]
+        n = b // groups
+
+        def by_group(x):  # [B, K, G, L, ...] -> [P', K, G, n * L, ...]: rows ride on L
+            x = x.reshape(groups, n, *x.shape[1:])
+            x = jnp.moveaxis(x, 1, 3)  # [P', K, G, n, L, ...]
+            return x.reshape(groups, kh, g, n * l, *x.shape[5:])
+
+        def by_row(x):  # the inverse
+            x = x.reshape(groups, kh, g, n, l, *x.shape[4:])
+            return jnp.moveaxis(x, 3, 1).reshape(b, kh, g, l, *x.shape[5:])
+
+        carry = segment(
+            tuple(by_group(x) for x in carry),
+            by_group(q),
+            k_p,
+            v_p,
+            valid_p,
+            q_slot_BL.reshape(groups, n * l),
+            start,
+            p,
+        )
+        carry = tuple(by_row(x) for x in carry)
+        lo = p
+    carry = segment(carry, q, k_BKSD, v_BKSD, key_valid_BS, q_slot_BL, maximum(start, lo), end)
+    _, total, acc = carry
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(q_BLKGD.dtype).transpose(0, 3, 1, 2, 4)

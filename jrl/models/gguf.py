@@ -109,6 +109,26 @@ class GGUFFile:
             self._parse()
         except (KeyError, ValueError, struct.error, UnicodeDecodeError) as e:
             raise ValueError(f"{path!r} is not a readable GGUF file ({e}).") from None
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """Every tensor's bytes lie within the file (a truncated download fails here, not in
+        the middle of loading the weights)."""
+        gguf = _gguf()
+        for name, (kind, shape, offset) in self.tensors.items():
+            try:
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (KeyError, ValueError):
+                raise ValueError(
+                    f"{self.path!r} is not a readable GGUF file (tensor {name} has the unknown "
+                    f"type {kind})."
+                ) from None
+            end = offset + int(np.prod(shape)) // block * size
+            if end > len(self._data):
+                raise ValueError(
+                    f"{self.path!r} is truncated: tensor {name} ends at byte {end} but the file "
+                    f"has {len(self._data)}; download or copy it again."
+                )
 
     def _take(self, n: int) -> bytes:
         if self._pos + n > len(self._data):

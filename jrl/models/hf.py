@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import transformers
 from flax import traverse_util
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jrl import partitioning
@@ -407,17 +407,52 @@ def _weight_files(path: str) -> dict[str, str]:
     """HF tensor name -> safetensors file holding it (single file or a sharded index)."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{index} is not a safetensors index ({type(e).__name__}: {e}); copy or "
+                "download the checkpoint again."
+            ) from None
+        return files
     single = os.path.join(path, WEIGHTS_FILE)
     if not os.path.exists(single):
         raise ValueError(
             f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: jrl reads safetensors "
             "checkpoints only (re-save the model with safe_serialization=True)."
         )
-    with safe_open(single, framework="np") as f:
+    with _open(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+@contextlib.contextmanager
+def _open(file: str):
+    """`safe_open(file)`; a one-line ValueError naming the file when it does not open (the
+    safetensors library parses the header and checks that the tensors' declared bytes lie
+    within the file: a truncated or damaged file fails here)."""
+    if not os.path.isfile(file):
+        raise ValueError(f"{file} does not exist; copy or download the checkpoint again.")
+    try:
+        handle = safe_open(file, framework="np")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({str(e).splitlines()[0]}): it is "
+            "damaged or was not fully written; copy or download it again."
+        ) from None
+    with handle as f:
+        yield f
+
+
+def check_weights(path) -> None:
+    """Raises ValueError (one line, naming the file) unless every safetensors file of the
+    checkpoint directory `path` exists and opens (`_open`): run before anything is written or
+    loaded."""
+    path = os.fspath(path)
+    for file in sorted(set(_weight_files(path).values())):
+        with _open(file):
+            pass
 
 
 def load_config(path, dtype: str = "float32") -> tfm.ModelConfig:
@@ -498,10 +533,7 @@ def load_pretrained(
     cfg = load_config(path, dtype)
     files = _weight_files(path)
     with contextlib.ExitStack() as stack:
-        handles = {
-            file: stack.enter_context(safe_open(file, framework="np"))
-            for file in sorted(set(files.values()))
-        }
+        handles = {file: stack.enter_context(_open(file)) for file in sorted(set(files.values()))}
         source = TensorSource(
             shapes=lambda: {
                 n: tuple(handles[f].get_slice(n).get_shape()) for n, f in files.items()

@@ -1,6 +1,7 @@
 """What `model.hf_path` names, loaded: a Hugging Face checkpoint directory (`jrl.models.hf`), a
 `.gguf` file (`jrl.models.gguf`, the optional gguf package), or a Hub id `org/name` that is not a
-local path (`jrl.models.hub`: downloaded into the Hugging Face cache first)."""
+local path (`jrl.models.hub`: downloaded into the Hugging Face cache first). `check_files` reads
+the weight files' headers, so that a damaged file stops a run before it writes anything."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ def load_config(path, dtype: str = "float32") -> tfm.ModelConfig:
 
         return gguf.load_config(path, dtype)
     return hf.load_config(path, dtype)
+
+
+def check_files(path) -> None:
+    """Raises ValueError (one line, naming the file) when the weights of `path` would not load:
+    a safetensors file that is missing, truncated or damaged (its header and the tensors' byte
+    ranges are checked), or a .gguf file whose header does not parse or whose tensors run past
+    its end. Reads headers only."""
+    path = hub.local_path(os.fspath(path))
+    if is_gguf(path):
+        from jrl.models import gguf
+
+        gguf.open_file(path)
+    else:
+        hf.check_weights(path)
 
 
 def load_pretrained(

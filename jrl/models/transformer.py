@@ -175,6 +175,8 @@ class ModelConfig:
     remat: str = "none"  # a key of REMAT_POLICIES: none | block | dots
     attention: str = "auto"  # full-forward attention (jrl.models.attention.IMPLEMENTATIONS)
     attention_block_size: int = 512  # query positions per block of blockwise attention
+    # decode attention over the KV cache (jrl.models.attention.DECODE_IMPLEMENTATIONS)
+    decode_attention: str = "blockwise"
     logits_chunk_size: int = 0  # positions per log-prob / entropy chunk; 0: all at once
 
     @property
@@ -195,6 +197,7 @@ class ModelConfig:
         ROPE_SCALINGS.get(self.rope_scaling_type)
         REMAT_POLICIES.get(self.remat)
         attention_lib.IMPLEMENTATIONS.get(self.attention)
+        attention_lib.DECODE_IMPLEMENTATIONS.get(self.decode_attention)
         if self.attention_block_size < 1 or self.logits_chunk_size < 0:
             raise ValueError(
                 f"model.attention_block_size={self.attention_block_size} must be >= 1 and "
@@ -297,6 +300,19 @@ def _plus(y, delta):
     return y if delta is None else y + delta
 
 
+def product(spec: str, x, w, dt, decode: bool = False):
+    """einsum(spec, x, w) in the compute dtype `dt`. With `decode` (the rollout's forwards, which
+    have no backward) the product is taken in float32 (`preferred_element_type`) and rounded to
+    `dt` once: the same numbers (a bfloat16 product accumulates in float32 on every backend),
+    and XLA:CPU then multiplies bfloat16 operands as they are instead of converting the weights
+    and the KV cache to float32 first. Training keeps the plain product: there the float32
+    output would make the backward's products mixed-precision."""
+    w = w.astype(dt)
+    if not decode:
+        return jnp.einsum(spec, x, w)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(dt)
+
+
 def _param(module, name, shape, axes, cfg: ModelConfig, init=None):
     init = init or nn.initializers.normal(cfg.init_std)
     return module.param(
@@ -370,6 +386,7 @@ def _by_kind(cfg: ModelConfig, sliding, attend):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    decode: bool = False  # `product`'s: the rollout's forwards
 
     @nn.compact
     def __call__(self, x_BLH, rope, mask_BLS, sliding, cache=None, cache_index=None):
@@ -379,7 +396,7 @@ class Attention(nn.Module):
 
         def proj(name, heads, axes):
             w = _param(self, name, (h, heads, d), ("embed", axes, "head_dim"), cfg)
-            y = jnp.einsum("blh,hnd->blnd", x_BLH, w.astype(dt))
+            y = product("blh,hnd->blnd", x_BLH, w, dt, self.decode)
             y = _activation(_plus(y, _adapter(self, name, x_BLH, 1)), axes, None)
             if cfg.qkv_bias:
                 b = _param(
@@ -403,7 +420,7 @@ class Attention(nn.Module):
             if jnp.ndim(cache_index) == 1:  # a start slot per row [B]
                 write = lambda c, x: write_cache_rows(c, x, cache_index)
             kk, v = write(cache["k"], kk), write(cache["v"], v)
-            new_cache = {"k": kk, "v": v}
+            new_cache = {**cache, "k": kk, "v": v}  # a shared prompt's entries pass through
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
             attend = lambda window: attention_lib.causal_attention(
@@ -417,37 +434,81 @@ class Attention(nn.Module):
                 block_size=cfg.attention_block_size,
             )
         else:
+            shared = None if cache is None or "prompt_k" not in cache else cache
+            shared = shared and (shared["prompt_k"], shared["prompt_v"])
             attend = lambda window: _masked_attention(
-                q, kk, v, mask_BLS, cache_index, window, scale, cfg
+                q, kk, v, mask_BLS, cache_index, window, scale, cfg, shared
             )
         out = _by_kind(cfg, sliding, attend)
         wo = _param(self, "o_proj", (n, d, h), ("heads", "head_dim", "embed"), cfg)
-        y = jnp.einsum("blnd,ndh->blh", out, wo.astype(dt))
+        y = product("blnd,ndh->blh", out, wo, dt, self.decode)
         return _plus(y, _adapter(self, "o_proj", out, 2)), new_cache
 
 
-def _masked_attention(q, k_BKSD, v_BKSD, mask_BLS, cache_index, window, scale, cfg: ModelConfig):
-    """Attention over the head-major KV cache [B, K, S, D] as `mask_BLS` [B, L, S] allows
-    (rollout: prefill and decode). A prefill from slot 0 (`cache_index` a Python int) attends
-    only over the slots it fills."""
+def _masked_attention(
+    q, k_BKSD, v_BKSD, mask, cache_index, window, scale, cfg: ModelConfig, prompt=None
+):
+    """Attention over the head-major KV cache [B, K, S, D] (rollout: prefill and decode).
+
+    `mask` [B, L, S]: what each query sees, materialised (one [B, K, G, L, S] score array; a
+    prefill from slot 0, `cache_index` a Python int, attends only over the slots it fills).
+    `mask` [B, S]: the slots each row's queries may see (real prompt slots, response slots), to
+    which causality by slot and the window are added: query l sits at slot cache_index + l (per
+    row with a [B] index), and `attention.decode_attention` reads the cache in blocks up to the
+    last query's slot only. A row whose index is at or past S (a dropped write, see
+    `write_cache_rows`) does not extend the blocks read; its outputs are garbage. `prompt`
+    (with a [B, S] mask): the cache's `prompt_k` / `prompt_v` [G, K, P, D], the first P slots
+    once per group of B / G consecutive rows (`with_shared_prompt`), read once per group."""
     b, l, n, d = q.shape
     k = k_BKSD.shape[1]
-    if isinstance(cache_index, int):
-        s = cache_index + l
-        k_BKSD, v_BKSD, mask_BLS = k_BKSD[:, :, :s], v_BKSD[:, :, :s], mask_BLS[..., :s]
+    q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
+    softcap = cfg.attn_logit_softcapping
+    s = k_BKSD.shape[2]
+    if mask.ndim == 2 and cfg.decode_attention == "xla":  # the whole cache, materialised
+        q_slot = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(l)  # [B or 1, L]
+        mask = mask[:, None, :] & (jnp.arange(s) <= q_slot[..., None])
+    if mask.ndim == 2:
+        shared = None
+        if prompt is not None:  # with each group's first row's prompt slots
+            groups, p = prompt[0].shape[0], prompt[0].shape[2]
+            shared = (*prompt, mask[:: b // groups, :p])
+        if jnp.ndim(cache_index) == 1:  # a start slot per row
+            live = cache_index < s
+            first, end = jnp.min(cache_index), jnp.max(jnp.where(live, cache_index, 0)) + l
+            end = jnp.minimum(end, s)
+            q_slot = cache_index[:, None] + jnp.arange(l)[None]
+        else:
+            first, end = cache_index, cache_index + l
+            end = min(end, s) if isinstance(end, int) else jnp.minimum(end, s)
+            q_slot = jnp.broadcast_to(cache_index + jnp.arange(l), (b, l))
+        out = attention_lib.decode_attention(
+            q,
+            k_BKSD,
+            v_BKSD,
+            mask,
+            q_slot,
+            end,
+            first_slot=first,
+            prompt=shared,
+            scale=scale,
+            softcap=softcap,
+            window=window,
+            block_size=cfg.attention_block_size,
+        )
+        return out.reshape(b, l, n, d)
+    if isinstance(cache_index, int) and cache_index == 0:  # a prefill: only the slots it fills
+        k_BKSD, v_BKSD, mask = k_BKSD[:, :, :l], v_BKSD[:, :, :l], mask[..., :l]
     if window is not None:
         window_LS = sliding_window_mask(window, l, k_BKSD.shape[2], cache_index)
-        mask_BLS = mask_BLS & (window_LS if window_LS.ndim == 3 else window_LS[None])
-    q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
-    bias = attention_lib.mask_bias(mask_BLS)[:, None, None]  # [B, 1, 1, L, S]
-    out = attention_lib.attend_head_major(
-        q, k_BKSD, v_BKSD, bias, scale, cfg.attn_logit_softcapping
-    )
+        mask = mask & (window_LS if window_LS.ndim == 3 else window_LS[None])
+    bias = attention_lib.mask_bias(mask)[:, None, None]  # [B, 1, 1, L, S]
+    out = attention_lib.attend_head_major(q, k_BKSD, v_BKSD, bias, scale, softcap)
     return out.reshape(b, l, n, d)
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    decode: bool = False  # `product`'s: the rollout's forwards
 
     @nn.compact
     def __call__(self, x):
@@ -460,7 +521,8 @@ class MLP(nn.Module):
         # Rows flattened to [B*L, H] around the matmuls: XLA:CPU fused the activation's backward
         # into a 3-D dot's output and took a slow path (the MLP's backward ran at 2x the time).
         x2 = x.reshape(-1, h)
-        proj = lambda name, w, v: _plus(v @ w.astype(dt), _adapter(self, name, v, 1))
+        mul = lambda v, w: product("...h,hf->...f", v, w, dt, self.decode)
+        proj = lambda name, w, v: _plus(mul(v, w), _adapter(self, name, v, 1))
         y = ACTIVATIONS.get(cfg.hidden_act)(proj("gate_proj", gate, x2)) * proj("up_proj", up, x2)
         y = _activation(y.reshape(*x.shape[:-1], f), "mlp").reshape(-1, f)
         return proj("down_proj", down, y).reshape(x.shape)
@@ -479,11 +541,12 @@ class Block(nn.Module):
     """
 
     cfg: ModelConfig
+    decode: bool = False  # `product`'s: the rollout's forwards
 
     @nn.compact
     def __call__(self, x, sliding, rope, mask=None, cache=None, cache_index=None):
         cfg = self.cfg
-        a, cache = Attention(cfg, name="attn")(
+        a, cache = Attention(cfg, self.decode, name="attn")(
             RMSNorm(cfg, name="input_norm")(x),
             rope,
             mask,
@@ -494,7 +557,7 @@ class Block(nn.Module):
         if cfg.sandwich_norms:
             a = RMSNorm(cfg, name="attn_out_norm")(a)
         x = x + a
-        m = MLP(cfg, name="mlp")(RMSNorm(cfg, name="post_attn_norm")(x))
+        m = MLP(cfg, self.decode, name="mlp")(RMSNorm(cfg, name="post_attn_norm")(x))
         if cfg.sandwich_norms:
             m = RMSNorm(cfg, name="mlp_out_norm")(m)
         return _activation(x + m), cache
@@ -510,9 +573,11 @@ class Output(NamedTuple):
 
 class Transformer(nn.Module):
     """Decoder. `__call__(ids, positions, mask, cache=None, cache_index=None)` -> `Output`;
-    `mask` [B, L, S] bool, or None for a full forward over right-padded rows (causal)."""
+    `mask` [B, L, S] bool, [B, S] with a cache (`_masked_attention`), or None for a full forward
+    over right-padded rows (causal). `decode`: the rollout's forwards (`product`)."""
 
     cfg: ModelConfig
+    decode: bool = False
 
     @nn.compact
     def __call__(self, input_ids_BL, positions_BL, mask_BLS=None, cache=None, cache_index=None):
@@ -552,7 +617,7 @@ class Transformer(nn.Module):
                 block_vars = {"params": layers[i]}
                 if adapters is not None:
                     block_vars["lora"] = adapters[i]
-                x, c = Block(cfg).apply(
+                x, c = Block(cfg, self.decode).apply(
                     block_vars,
                     x,
                     bool(sliding[i]),
@@ -580,10 +645,11 @@ class Transformer(nn.Module):
 
 
 def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
-    """`params` with the stacked blocks split into a list of per-layer trees, matrices cast to
-    the compute dtype with `cast` (1-D norm scales stay as stored). The rollout does this once,
-    before its decode loop, so the loop reads each layer's weights where they lie instead of
-    slicing (and, on some backends, copying) them from the stack at every token. A LoRA
+    """`params` with the stacked blocks split into a list of per-layer trees, matrices (and the
+    embedding / LM head) cast to the compute dtype with `cast` (1-D norm scales stay as
+    stored). The rollout does this once, before its decode loop, so the loop reads each
+    layer's weights where they lie, in the compute dtype, instead of slicing (and, on some
+    backends, copying) them from the stack and casting them at every token. A LoRA
     adapter tree (`params["lora"]["layers"]`, see `variables`) is split the same way."""
     dt = jnp.dtype(cfg.dtype)
     layer = lambda a, i: a[i].astype(dt) if cast and a.ndim > 2 else a[i]
@@ -591,6 +657,9 @@ def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
         jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)
     ]
     out = {**params, "layers": split(params["layers"])}
+    for name in ("embed", "lm_head") if cast else ():  # the head is read at every token
+        if name in params:
+            out[name] = params[name].astype(dt)
     if params.get("lora", {}).get("layers") is not None:
         out["lora"] = {**params["lora"], "layers": split(params["lora"]["layers"])}
     return out
@@ -604,10 +673,17 @@ def variables(params) -> dict:
     return {"params": {k: v for k, v in params.items() if k != "lora"}, "lora": params["lora"]}
 
 
-def lm_logits(cfg: ModelConfig, hidden, head):
-    """Next-token logits (float32) of final hidden states [..., H] through `Output.head`."""
+def lm_logits(cfg: ModelConfig, hidden, head, decode: bool = False):
+    """Next-token logits (float32) of final hidden states [..., H] through `Output.head`, rounded
+    to the compute dtype first; `decode`: `product`'s (the same numbers)."""
     spec = "...h,vh->...v" if cfg.tie_word_embeddings else "...h,hv->...v"
-    return softcap(jnp.einsum(spec, hidden, head).astype(jnp.float32), cfg.final_logit_softcapping)
+    logits = (
+        product(spec, hidden, head, hidden.dtype, True)
+        if decode
+        else jnp.einsum(spec, hidden, head)
+    )
+    logits = logits.astype(jnp.float32)
+    return softcap(logits, cfg.final_logit_softcapping)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[dict[str, Any], ...]:
@@ -616,6 +692,18 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[dict[str, Any
     shape = (batch, cfg.num_kv_heads, length, cfg.head_size)
     zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return tuple({"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers))
+
+
+def with_shared_prompt(cache, prompt_cache):
+    """`cache` (per layer {"k", "v"} [B, K, S, D], its first P slots holding each row's prompt)
+    with each layer's prompt keys / values once per group of B / G consecutive rows
+    (`prompt_cache`: per layer {"k", "v"} [G, K, P, D], the prefill's) as "prompt_k" /
+    "prompt_v": decode attention (`_masked_attention` with a [B, S] mask) then reads the prompt
+    slots from there, once per group, and only the later slots from each row's cache."""
+    return tuple(
+        {**layer, "prompt_k": prompt["k"], "prompt_v": prompt["v"]}
+        for layer, prompt in zip(cache, prompt_cache)
+    )
 
 
 def positions_from_mask(mask_BL):
@@ -670,6 +758,7 @@ class Prefill(NamedTuple):
     cache: tuple  # per layer {"k", "v"} [B, K, P + R, D]: the prompt's slots, then R empty ones
     key_valid: jax.Array  # [B, P + R] bool: real prompt slots, then every response slot
     first_position: jax.Array  # [B] int32: the position id of response token 0
+    prompt_cache: tuple  # per layer {"k", "v"} [G, K, P, D]: the prompts, each once
 
 
 def prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_slots: int):
@@ -694,7 +783,7 @@ def prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_
     pad = ((0, 0), (0, 0), (0, new_slots), (0, 0))  # [B, K, S, D]: after the prompt's slots
     cache = jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache)
     key_valid = jnp.pad(rows(valid), ((0, 0), (0, new_slots)), constant_values=True)
-    return Prefill(last, cache, key_valid, rows(positions[:, -1] + 1))
+    return Prefill(last, cache, key_valid, rows(positions[:, -1] + 1), out.cache)
 
 
 def grouped_response_forward(cfg: ModelConfig, params, prompt_ids_GP, prompt_mask_GP, ids_BR):

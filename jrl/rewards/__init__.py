@@ -24,7 +24,17 @@ from its config's `task` section (`reward_options`).
       "package.module:function" (or "user:package.module:function"; the module imported from
                 the current directory or PYTHONPATH) or "path/to/file.py:function" (the file
                 loaded from its path): a user score function
-                `(responses: list[str], ground_truths: list[str]) -> list[float]`.
+                `(responses: list[str], ground_truths: list[str]) -> list[float]`, run in a
+                worker process of its own (`jrl.rewards.worker.ProcessScore`, each call within
+                `reward_timeout_s`): whatever it does (raise, exit, hang, return garbage), the
+                trainer stops with one line naming the sample. jrl's own Python rewards above
+                run in the trainer's process (they do not exit or hang: the math reward's
+                symbolic checks have worker processes and a time limit of their own).
+
+Failures of Python rewards: inside `jax.jit` an error raises (an XLA runtime error ending with the
+message) unless `defer_failures(reward_fn)` was called, as the trainer does: the callback then
+records the first error and returns zeros, and `check(reward_fn)` raises `RewardFailed` with its
+one-line message after the step (`RewardInterrupted` when a stop request abandoned the reward).
 """
 
 from collections.abc import Callable
@@ -39,7 +49,9 @@ from jrl.rewards.arithmetic import (
     final_answer_match,
     first_line,
 )
-from jrl.rewards.python import RewardError, load_score_fn, make_python_reward
+from jrl.rewards import worker
+from jrl.rewards.python import RewardError, make_python_reward
+from jrl.rewards.worker import clear_stop, request_stop
 
 # name -> JAX reward fn(batch, response_ids, response_mask, *, eos_id) -> scores [B]
 REWARDS = Registry(
@@ -116,16 +128,21 @@ def _lookup(name: str):
         ) from None
 
 
-def get_reward(name: str, task=None, tokenizer=None, **options):
+def get_reward(
+    name: str, task=None, tokenizer=None, *, reward_timeout_s: float | None = None, **options
+):
     """The ready reward function `name`: a JAX reward, a Python reward or a user function path.
 
     `task` and `tokenizer` (default `task.tokenizer`) are needed by the Python rewards; `options`
-    go to the Python reward's score function (see the module docstring).
+    go to the Python reward's score function (see the module docstring). A user function runs
+    in a worker process, each call within `reward_timeout_s` seconds (None: no limit).
     """
     if ":" in name:
         if options:
             raise ValueError(f"user reward {name!r} takes no options; got {', '.join(options)}.")
-        score_fn = load_score_fn(name)
+        score_fn = worker.ProcessScore(
+            name, name=name, timeout_s=reward_timeout_s, error=RewardError
+        )
     else:
         entry = _lookup(name)
         if name in REWARDS:
@@ -143,16 +160,55 @@ def get_reward(name: str, task=None, tokenizer=None, **options):
     return make_python_reward(score_fn, task, tokenizer, name=name)
 
 
+class RewardFailed(RuntimeError):
+    """A Python reward failed during a step (the message names the sample and the problem): the
+    step's result must not be kept."""
+
+
+class RewardInterrupted(RewardFailed):
+    """A stop was requested while a user reward ran, and it was abandoned (`request_stop`)."""
+
+
+def defer_failures(reward_fn) -> None:
+    """A failure of `reward_fn` inside a jitted step is recorded (the step goes on with zero
+    scores) for `check` to raise, instead of raising inside the step. No-op for JAX rewards."""
+    outcome = getattr(reward_fn, "outcome", None)
+    if outcome is not None:
+        outcome.defer()
+
+
+def check(reward_fn) -> None:
+    """Raises RewardFailed (one line) when `reward_fn` failed since the last check, or
+    RewardInterrupted when a stop request abandoned it; clears the record."""
+    outcome = getattr(reward_fn, "outcome", None)
+    error, interrupted = outcome.take() if outcome is not None else (None, False)
+    if error is None:
+        return
+    if isinstance(error, (RewardError, worker.Stopped)):
+        message = str(error)
+    else:  # raised by the callback around the score function (decoding, ground truths)
+        name = reward_fn.__name__.removeprefix("python_reward_")
+        message = f"reward {name!r} failed: {type(error).__name__}: {error}"
+    message = " | ".join(line for line in message.splitlines() if line.strip())
+    raise (RewardInterrupted if interrupted else RewardFailed)(message)
+
+
 __all__ = [
     "HOST_REWARDS",
     "REWARDS",
     "RewardError",
+    "RewardFailed",
+    "RewardInterrupted",
     "arithmetic_exact_match",
     "arithmetic_final_answer",
+    "check",
+    "clear_stop",
+    "defer_failures",
     "exact_match",
     "final_answer_match",
     "get_reward",
     "make_python_reward",
     "names",
+    "request_stop",
     "reward_options",
 ]

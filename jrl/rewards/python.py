@@ -14,7 +14,9 @@ Errors name the sample: an exception inside the score function, a wrong number o
 score that is not a finite number raises `RewardError` naming the reward, the sample index, its
 split and row and the start of its response; inside `jax.jit` it reaches the caller as a
 `jax.errors.JaxRuntimeError` whose message ends with that line. To name the sample that made a
-batch-level function raise, the function is called again on one sample at a time.
+batch-level function raise, the function is called again on one sample at a time. The trainer
+defers failures instead (`reward_fn.outcome`, a `jrl.rewards.worker.Outcome`): the callback
+records the error, returns zeros, and the trainer stops before it keeps anything of the step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl.rewards import worker
 from jrl.rewards.math import import_path
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
@@ -67,6 +70,8 @@ def checked_scores(
     rows = list(rows) or [-1] * b
     try:
         scores = score_fn(list(responses), list(ground_truths))
+    except (RewardError, worker.Stopped):
+        raise  # named already (a worker's timeout or end), or a stop: no sample to search
     except Exception as e:
         i = _failing_sample(score_fn, responses, ground_truths)
         where = _where(i, splits, rows, responses) if i is not None else f"a batch of {b}"
@@ -161,7 +166,7 @@ def make_python_reward(score_fn: ScoreFn, task, tokenizer, *, name: str = "pytho
         row_id = jnp.asarray(batch["row_id"], jnp.int32)
         out = jax.ShapeDtypeStruct(row_id.shape, jnp.float32)
         return jax.pure_callback(
-            host,
+            lambda *args: outcome.call(host, args, np.zeros(np.shape(args[1]), np.float32)),
             out,
             jnp.asarray(batch["split"], jnp.int32),
             row_id,
@@ -170,6 +175,8 @@ def make_python_reward(score_fn: ScoreFn, task, tokenizer, *, name: str = "pytho
             vmap_method="broadcast_all",
         )
 
+    outcome = worker.Outcome()  # `host` through it: failures recorded once the trainer defers
+    reward_fn.outcome = outcome
     reward_fn.score_fn = score_fn
     reward_fn.__name__ = f"python_reward_{name}"
     return reward_fn

@@ -17,7 +17,7 @@ from jrl import rollout
 from jrl import sharding
 from jrl import step as step_lib
 from jrl import tokenizer as tokenizer_lib
-from jrl.run import trainer
+from jrl.run import targets, trainer
 from jrl.data.arithmetic import ArithmeticTask
 from jrl.models import transformer
 from jrl.rewards import get_reward
@@ -259,31 +259,54 @@ def run(
     }
 
 
-def memory_report(cfg) -> dict:
+def memory_report(cfg, target: targets.Target | None = None) -> dict:
     """XLA's compile-time memory analysis of the fused step of `cfg` on the current devices and
     `cfg.mesh`, per device, from abstract inputs: nothing is allocated or run. Bytes:
     `argument_bytes` (train state + prompt batch), `output_bytes`, `alias_bytes` (outputs written
     into the donated state), `temp_bytes` (everything the step allocates while it runs), and
     `peak_bytes` = arguments + outputs - aliased + temporaries (XLA's own `peak_memory_in_bytes`
-    is not filled in on every backend)."""
+    is not filled in on every backend).
+
+    With `target` (`jrl.run.targets`), the step is compiled by the TPU compiler for the target's
+    chips and `cfg.mesh` over them instead: the figures are per chip, the report names the
+    `compiler` and the `target`, and `compiler_peak_bytes` is the compiler's own peak. A step
+    larger than a chip's memory gives `fits: False` and the compiler's message instead of the
+    figures."""
     config_lib.validate(cfg)
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
-    mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    if target is None:
+        mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
+    else:
+        mesh = targets.mesh_for(target, cfg)
     key = jax.random.key(0)
     init = lambda: step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
     step_fn, abstract, state_sh, batch_sh = trainer.jit_step(
         cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task, cfg), mesh, init
     )
     batch = task.train_batch(0, step_lib.prompts_per_step(cfg))  # host arrays: only shapes used
-    abstract_in = lambda tree, sh: jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh
-    )
+    args = (targets.abstract(abstract, state_sh), targets.abstract(batch, batch_sh))
+    prompts = step_lib.prompts_per_step(cfg)
+    shapes = {
+        "devices": mesh.size,
+        "device": str(mesh.devices.flat[0].device_kind),
+        "mesh": dict(mesh.shape),
+        "prompts": prompts,
+        "rows": prompts * cfg.rollout.n,
+        "mini_batch_rows": cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+        "prompt_length": int(batch["input_ids"].shape[1]),
+        "response_length": int(task.max_response_length),
+        "params": int(sum(x.size for x in jax.tree.leaves(abstract.params))),
+    }
+    about = {}
+    if target is not None:
+        about = {"compiler": targets.compiler_name(), "target": target.describe()}
     t = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(
-            abstract_in(abstract, state_sh),
-            abstract_in(batch, jax.tree.map(lambda _: batch_sh, batch)),
-        ).compile()
+    try:
+        compiled = targets.compile(step_fn, args, target, mesh)
+    except targets.DoesNotFit as e:
+        compile_s = round(time.perf_counter() - t, 1)
+        failed = {"fits": False, "compiler_message": str(e), "compile_s": compile_s}
+        return {**about, **failed, **shapes}
     compile_s = time.perf_counter() - t
     m = compiled.memory_analysis()
     argument, output, alias, temp = (
@@ -293,22 +316,19 @@ def memory_report(cfg) -> dict:
         m.temp_size_in_bytes,
     )
     peak = argument + output - alias + temp
-    prompts = step_lib.prompts_per_step(cfg)
-    return {
+    figures = {
         "temp_bytes": int(temp),
         "argument_bytes": int(argument),
         "output_bytes": int(output),
         "alias_bytes": int(alias),
         "peak_bytes": int(peak),
         "peak_gb": round(peak / 1e9, 2),
-        "compile_s": round(compile_s, 1),
-        "devices": jax.device_count(),
-        "device": str(jax.devices()[0].device_kind),
-        "mesh": dict(mesh.shape),
-        "prompts": prompts,
-        "rows": prompts * cfg.rollout.n,
-        "mini_batch_rows": cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-        "prompt_length": int(batch["input_ids"].shape[1]),
-        "response_length": int(task.max_response_length),
-        "params": int(sum(x.size for x in jax.tree.leaves(abstract.params))),
     }
+    if target is not None:
+        figures = {
+            **about,
+            "fits": True,
+            **figures,
+            "compiler_peak_bytes": int(getattr(m, "peak_memory_in_bytes", 0)),
+        }
+    return {**figures, "compile_s": round(compile_s, 1), **shapes}

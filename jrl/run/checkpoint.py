@@ -18,9 +18,16 @@ the next (donating) step may reuse their device buffers; the files are written i
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only once
 everything is written (on gs:// it writes `commit_success.txt` last instead), so a process killed
 mid-save leaves an unfinished directory next to the intact earlier checkpoints.
-`restore_latest` skips unfinished and unreadable checkpoints (with a warning naming each) and
-restores the newest one that reads back. It deletes nothing: unreadable checkpoints newer than
-the one restored are renamed to `<step>.invalid`, so that the resumed run can save those steps.
+Each checkpoint of a local workdir (single process) also holds `jrl_checksums.json`, the size and
+CRC-32 of every file of its items, written after orbax wrote them and before it commits the
+directory (in orbax's background thread for an asynchronous save); a restore checks every file
+against it first, and a mismatch (bytes changed on disk) makes the checkpoint unreadable.
+`gs://` and multi-process checkpoints have none (GCS checks each object's CRC-32C on upload;
+reading a large checkpoint back from the bucket to hash it would cost a download per save).
+`restore_latest` skips unfinished, unreadable and damaged checkpoints (with a warning naming
+each) and restores the newest one that reads back. It deletes nothing: unreadable checkpoints
+newer than the one restored are renamed to `<step>.invalid`, so that the resumed run can save
+those steps.
 
 A finished run's config and policy (for evaluation and export) are read back without its
 trainer: `load_config(workdir, step)` (the config a checkpoint was written with),
@@ -34,12 +41,15 @@ preemption sync point, so that every process stops at the same step.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import signal
 import threading
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,12 +76,17 @@ FORCED_EXIT_CODE = 43
 
 CHECKPOINTS_DIR = "checkpoints"
 REFERENCE_DIR = "reference"
+CHECKSUMS_FILE = "jrl_checksums.json"  # in each local checkpoint: every item file's CRC-32
 _FORMAT = 1  # version of this module's layout, stored in each checkpoint's meta item
 _STEP_DIR = re.compile(r"^(0|[1-9][0-9]*)(\.orbax-checkpoint-tmp.*)?$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot resume this run; the message names the problem and the fix."""
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint's files differ from what was written (its checksums do not match)."""
 
 
 class Preempted(SystemExit):
@@ -268,6 +283,75 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+# ----------------------------------------------------------------------------------- checksums
+# A local checkpoint's files are read back and their CRC-32s written to CHECKSUMS_FILE inside the
+# step directory after orbax has written everything and before it commits the directory (orbax's
+# post-finalization callback, in its background save thread), so the list commits with the
+# checkpoint. A restore checks every file against it first.
+
+
+def _crc32(path: str) -> int:
+    crc, buffer = 0, bytearray(1 << 22)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(memoryview(buffer)[:n], crc)
+    return crc
+
+
+def _item_files(step_dir: str) -> list[str]:
+    """The files of a checkpoint's items (its subdirectories), relative to `step_dir`; the
+    top-level files orbax writes at and after its commit are not among them."""
+    out = []
+    for item in sorted(os.listdir(step_dir)):
+        top = os.path.join(step_dir, item)
+        if os.path.isdir(top):
+            for root, _, names in os.walk(top):
+                out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names]
+    return sorted(out)
+
+
+def write_checksums(step_dir: str) -> None:
+    """Writes `step_dir/CHECKSUMS_FILE`: {relative path: {"size", "crc32"}} of its item files."""
+    files = {}
+    for rel in _item_files(step_dir):
+        path = os.path.join(step_dir, rel)
+        files[rel] = {"size": os.path.getsize(path), "crc32": _crc32(path)}
+    with open(os.path.join(step_dir, CHECKSUMS_FILE), "w") as f:
+        json.dump({"algorithm": "crc32", "files": files}, f)
+
+
+def damage(step_dir) -> str | None:
+    """What differs between `step_dir`'s files and its CHECKSUMS_FILE (None when they match or
+    when it has none: a gs:// or multi-process checkpoint, or one of an older jrl)."""
+    step_dir = os.fspath(step_dir)
+    if "://" in step_dir:
+        return None
+    path = os.path.join(step_dir, CHECKSUMS_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its {CHECKSUMS_FILE} does not read ({e})"
+    for rel, want in files.items():
+        file = os.path.join(step_dir, rel)
+        if not os.path.isfile(file):
+            return f"{rel} is missing"
+        if os.path.getsize(file) != want["size"]:
+            return f"{rel} has {os.path.getsize(file)} bytes, {want['size']} were written"
+        if _crc32(file) != want["crc32"]:
+            return f"{rel} differs from what was written (CRC-32 mismatch)"
+    return None
+
+
+def _uncommitted_dir(directory: epath.Path, step: int) -> str | None:
+    """The directory orbax is writing `step` into, before its commit (local workdirs)."""
+    found = [p for p in directory.glob(f"{step}.orbax-checkpoint-tmp*") if p.is_dir()]
+    found = found or [p for p in (directory / str(step),) if p.is_dir()]
+    return os.fspath(max(found, key=lambda p: p.stat().mtime)) if found else None
+
+
 # -------------------------------------------------------------------------------- Checkpointer
 
 
@@ -318,17 +402,34 @@ class Checkpointer:
         root = epath.Path(workdir)
         self.directory = root / CHECKPOINTS_DIR
         self.reference_directory = root / REFERENCE_DIR
+        self._async = async_save
+        # checksums of local single-process checkpoints (see `write_checksums`)
+        self.checksums = "://" not in os.fspath(workdir) and jax.process_count() == 1
+        # the steps whose saves have started and not committed, oldest first (orbax commits
+        # them in order; a save waits for the one before)
+        self._saving: collections.deque[int] = collections.deque()
         policy = ocp.checkpoint_managers.LatestN(n=max_to_keep or None)
+        # Orbax's asynchronous checkpointer always (a synchronous save waits for it at once): its
+        # post-finalization callback writes the checksums before the commit.
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                enable_async_checkpointing=async_save, preservation_policy=policy
+                enable_async_checkpointing=True,
+                preservation_policy=policy,
+                async_options=ocp.AsyncOptions(
+                    post_finalization_callback=lambda: self._checksum(self.directory)
+                ),
             ),
             handler_registry=_registry(arrays=("state",), json=("extra", "meta")),
         )
         self._ref_manager = ocp.CheckpointManager(
             self.reference_directory,
-            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save),
+            options=ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(
+                    post_finalization_callback=lambda: self._checksum(self.reference_directory)
+                ),
+            ),
             handler_registry=_registry(arrays=("params",), json=("meta",)),
         )
         # A reference without any state checkpoint is left from a run that died before its first
@@ -379,8 +480,14 @@ class Checkpointer:
         # A state checkpoint must never commit before the reference it needs.
         self._ref_manager.wait_until_finished()
         tree, impls = _savable(state)
-        meta = {"format": _FORMAT, "prng_impls": impls, "reference_field": self.reference_field}
+        meta = {
+            "format": _FORMAT,
+            "prng_impls": impls,
+            "reference_field": self.reference_field,
+            "checksums": self.checksums,
+        }
         self._in_flight = True
+        self._saving.append(step)
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -390,7 +497,19 @@ class Checkpointer:
             ),
             force=True,
         )
+        if not self._async:
+            self.wait()
         return True
+
+    def _checksum(self, directory: epath.Path) -> None:
+        """Orbax's post-finalization callback: the checksums of the step being committed."""
+        step = 0 if directory == self.reference_directory else self._saving.popleft()
+        if not self.checksums:
+            return
+        step_dir = _uncommitted_dir(directory, step)
+        if step_dir is None:
+            raise FileNotFoundError(f"no directory of checkpoint {step} under {directory}")
+        write_checksums(step_dir)
 
     def save_reference(self, params) -> None:
         """Saves the frozen reference params once, to `<workdir>/reference`.
@@ -408,16 +527,18 @@ class Checkpointer:
                 return
             self._ref_manager.delete(0)
         tree, impls = _savable(params)
+        meta = {"format": _FORMAT, "prng_impls": impls, "checksums": self.checksums}
         self._ref_manager.save(
             0,
             args=ocp.args.Composite(
-                params=ocp.args.StandardSave(tree),
-                meta=ocp.args.JsonSave({"format": _FORMAT, "prng_impls": impls}),
+                params=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
             ),
             force=True,
         )
         self._in_flight = True
         self._reference_saved = True
+        if not self._async:
+            self.wait()
 
     def wait(self) -> None:
         """Blocks until every save in flight has committed (raises a failed save's error); at
@@ -443,7 +564,12 @@ class Checkpointer:
     # ------------------------------------------------------------------------ restoring
 
     def _restore_step(self, manager, step: int, item: str, target, where: str):
-        """Restores item `item` (and the JSON items) of `step` into the structure of `target`."""
+        """Restores item `item` (and the JSON items) of `step` into the structure of `target`;
+        DamagedCheckpoint when its files do not match their checksums."""
+        step_dir = manager.directory / str(step)
+        problem = damage(step_dir)
+        if problem:
+            raise DamagedCheckpoint(f"checksums do not match: {problem}")
         named, _ = _flatten(target)
         abstract = _nest([(names, _abstract_leaf(leaf)) for names, leaf in named])
         saved = manager.item_metadata(step)[item]
@@ -456,6 +582,8 @@ class Checkpointer:
             args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)}, **json_items),
         )
         meta = restored["meta"] or {}
+        if meta.get("checksums") and not (step_dir / CHECKSUMS_FILE).exists():
+            raise DamagedCheckpoint(f"its {CHECKSUMS_FILE} is missing")
         value = _rebuild(target, restored[item], meta.get("prng_impls", {}), where)
         return value, (restored["extra"] if item == "state" else None)
 
@@ -470,7 +598,13 @@ class Checkpointer:
                 "were written with, or start a fresh --workdir."
             )
         where = str(self.reference_directory / "0")
-        params, _ = self._restore_step(self._ref_manager, 0, "params", abstract, where)
+        try:
+            params, _ = self._restore_step(self._ref_manager, 0, "params", abstract, where)
+        except DamagedCheckpoint as e:
+            raise CheckpointError(
+                f"the reference params {where} are damaged ({e}); every checkpoint of this run "
+                "needs them: start a fresh --workdir (or --fresh)."
+            ) from None
         return params
 
     def _warn_unfinished(self, steps: list[int]) -> None:
@@ -594,6 +728,12 @@ class PreemptionGuard:
     no cleanup): checkpoints that had committed stay intact, and a save in flight stays an
     unfinished tmp directory that resuming skips.
 
+    With `at_once` (the trainer's start-up: nothing done since the run started needs saving) the
+    first signal exits at once with `PREEMPTED_EXIT_CODE`, after the `writing()` block in progress
+    (a start-up write) and the `on_exit` callbacks; the loop calls `defer()` once its first step
+    is done, and from then on the first signal is a request (the `on_request` callbacks run: the
+    trainer's stops the user reward of a step in progress after a grace period).
+
     On multi-process runs (TPU pods) `should_stop` agrees the requests across processes (one
     small all-gather per step), so that all stop at the same step even when the signal reaches
     only some of them or reaches them during different steps; it also returns True at JAX's
@@ -605,13 +745,17 @@ class PreemptionGuard:
     JAX's notice.
     """
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), *, at_once: bool = False):
         self._signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._previous_wakeup_fd: int | None = None
         self._wakeup_write_fd: int | None = None
         self.requested = False
         self.signal_name: str | None = None
+        self._at_once = at_once
+        self._writing = threading.RLock()  # held by `writing()`; an exit at once waits for it
+        self.on_request: list = []  # called at the first signal once deferred
+        self.on_exit: list = []  # called before an exit at once (e.g. releasing the workdir)
 
     def _handle(self, signum, frame) -> None:
         """The Python-level handler: it only keeps the default action (termination) away. It
@@ -636,13 +780,40 @@ class PreemptionGuard:
         if self.requested:
             os.write(2, f"\n{name} again: exiting now (code {FORCED_EXIT_CODE}).\n".encode())
             os._exit(FORCED_EXIT_CODE)
-        self.requested, self.signal_name = True, name
+        with self._writing:  # a write in progress ends first
+            if self._at_once:
+                for fn in self.on_exit:
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - leaving anyway
+                        pass
+                os.write(
+                    2,
+                    f"\n{name} while starting: exiting now with code {PREEMPTED_EXIT_CODE} "
+                    "(nothing new to save); rerun the same command to resume.\n".encode(),
+                )
+                os._exit(PREEMPTED_EXIT_CODE)
+            self.requested, self.signal_name = True, name
         logging.warning(
             "Received %s: finishing this step, saving a checkpoint and exiting with code %d; "
             "send it again to exit at once.",
             name,
             PREEMPTED_EXIT_CODE,
         )
+        for fn in self.on_request:
+            fn()
+
+    def defer(self) -> None:
+        """From now on the first signal asks the loop to stop after its step (until now, with
+        `at_once`, it exited at once: nothing since the run started needs saving)."""
+        with self._writing:
+            self._at_once = False
+
+    @contextlib.contextmanager
+    def writing(self):
+        """A block that an exit at once waits for (a file being written during start-up)."""
+        with self._writing:
+            yield
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -654,7 +825,7 @@ class PreemptionGuard:
                 logging.info("Leaving the non-Python %s handler in place.", sig.name)
                 continue
             self._previous[sig] = previous
-            signal.signal(sig, self._handle)
+        self.reinstall()
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C handler must never block
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -663,6 +834,12 @@ class PreemptionGuard:
             target=self._watch, args=(read_fd,), name="jrl-preemption-guard", daemon=True
         ).start()
         return self
+
+    def reinstall(self) -> None:
+        """Installs the handlers (again: after `jax.distributed.initialize`, whose preemption
+        notifier takes SIGTERM, so that this guard receives it as it did before)."""
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
 
     def __exit__(self, *exc) -> None:
         for sig, previous in self._previous.items():

@@ -58,7 +58,8 @@ def _config_spec(argv) -> str | None:
 def parse_flags(argv):
     """absl flag parsing, with a one-line error (exit 2) for a config file that does not exist,
     has no get_config or raises (the reason, not absl's 'Error whilst parsing config file'), an
-    override of an unknown field, or one of a switched-off feature (`config.unused_override`).
+    override of an unknown field, one of a switched-off feature (`config.unused_override`), or a
+    positional argument (none of the command lines takes one).
     Fields the config file set for a feature that the command line turns off go back to their
     defaults (`config.reset_switched_off`): they have no effect, and validate would refuse them."""
     spec = _config_spec(argv)
@@ -75,6 +76,11 @@ def parse_flags(argv):
             except Exception as file_error:  # a bad preset, or an error inside the config file
                 message = config_lib.config_file_error(spec, file_error)
         fail(message or str(e).splitlines()[0])
+    if len(rest) > 1:  # absl would print its whole usage text and exit 1
+        fail(
+            f"unexpected argument {rest[1]!r}: every setting is a flag, --name=value (a config "
+            f"field: --config.section.field=value); --help lists the flags."
+        )
     cfg = flags.FLAGS["config"].value if spec and "config" in flags.FLAGS else None
     if cfg is not None:
         config_lib.reset_switched_off(cfg, _load_config_file(spec), argv)

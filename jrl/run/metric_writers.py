@@ -72,22 +72,39 @@ def trim_metrics(workdir, last_step: int) -> None:
     """On resume, drops the `metrics.jsonl` and `samples.jsonl` rows of steps after `last_step`
     (they are redone).
 
-    Works for local and URI workdirs; a missing file is left missing. A row that does not parse
-    (the torn last line of a killed run) is dropped with the later steps.
+    Works for local and URI workdirs; a missing file is left missing. A line that is not a JSON
+    object with an integer "step" (the torn last line of a killed run, or bytes damaged on disk)
+    is dropped, with a warning counting them.
     """
     for name in JSONL_FILES:
         path = epath.Path(workdir) / name
         if not path.exists():
             continue
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row["step"] <= last_step:
-                kept.append(line + "\n")
+        kept, dropped = [], 0
+        for line in path.read_bytes().splitlines():
+            step = _step_of(line)
+            if step is None:
+                dropped += line.strip() != b""
+            elif step <= last_step:
+                kept.append(line.decode("utf-8") + "\n")
+        if dropped:
+            absl_logging.warning(
+                "%s: dropped %d line(s) that are not JSON rows with a step (a line cut short by "
+                "a kill, or damaged bytes).",
+                path,
+                dropped,
+            )
         write_text(os.fspath(path), "".join(kept))
+
+
+def _step_of(line: bytes) -> int | None:
+    """The "step" of a metrics / samples row, or None for a line that is not one."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class MetricWriter:

@@ -13,6 +13,7 @@ tensorboard and config.json; all save checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from absl import logging
 from etils import epath
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -30,7 +32,7 @@ from jrl import config as config_lib
 from jrl import data, microbatch, models, rewards, sharding, sft, step as step_lib
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
-from jrl.models import transformer
+from jrl.models import pretrained, transformer
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import console
 from jrl.run import metric_writers as metric_files
@@ -175,10 +177,18 @@ def build(cfg):
 
 
 def _build(cfg):
+    if cfg.model.hf_path:  # a damaged weight file stops the run here, before the workdir
+        pretrained.check_files(cfg.model.hf_path)
     tok, policy_cfg = policy_model(cfg)
     task = data.make_task(cfg.task.name, tok, **task_options(cfg))
     tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # each one token of this tokenizer
-    reward_fn = rewards.get_reward(cfg.task.reward, task, tok, **rewards.reward_options(cfg.task))
+    reward_fn = rewards.get_reward(
+        cfg.task.reward,
+        task,
+        tok,
+        reward_timeout_s=reward_time_limit(cfg),
+        **rewards.reward_options(cfg.task),
+    )
     if len(tok) > policy_cfg.vocab_size:
         raise config_lib.ConfigError(
             f"the tokenizer has {len(tok)} tokens but the model's vocabulary has "
@@ -186,6 +196,30 @@ def _build(cfg):
             f"model with a vocabulary of at least {len(tok)}."
         )
     return tok, task, reward_fn, policy_cfg
+
+
+# XLA's CPU collectives end the process (a fatal error, status 134) when one device waits for
+# the others at a collective for 60 s, as they do while a host callback runs; a user reward's
+# timed-out call can take three times its limit (jrl.rewards.worker: its sample is searched).
+CPU_MESH_REWARD_S = 15.0
+
+
+def reward_time_limit(cfg) -> float:
+    """`reward.timeout_s`; for a user reward on a CPU with several devices at most
+    CPU_MESH_REWARD_S (with a warning), so that a hanging one stops the run with its own
+    error."""
+    limit = cfg.reward.timeout_s
+    cpu_mesh = jax.default_backend() == "cpu" and jax.device_count() > 1
+    if ":" in cfg.task.reward and cpu_mesh and limit > CPU_MESH_REWARD_S:
+        logging.warning(
+            "reward.timeout_s=%g is cut to %g s on this CPU mesh of %d devices: XLA ends the "
+            "process when a host callback keeps the devices waiting for 60 s.",
+            limit,
+            CPU_MESH_REWARD_S,
+            jax.device_count(),
+        )
+        limit = CPU_MESH_REWARD_S
+    return limit
 
 
 def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
@@ -254,6 +288,25 @@ def check_finite(cfg, metrics: dict, consecutive: int) -> int:
     return consecutive
 
 
+def check_rewards(reward_fn) -> None:
+    """`rewards.check(reward_fn)` agreed by every process (all raise when a reward failed on
+    any: they stop at the same step). RewardFailed names the sample on the process it failed
+    on; RewardInterrupted when a stop request abandoned a user reward."""
+    error = None
+    try:
+        rewards.check(reward_fn)
+    except rewards.RewardFailed as e:
+        error = e
+    if jax.process_count() > 1:
+        code = 2 if error is None else int(isinstance(error, rewards.RewardInterrupted))
+        worst = int(min(multihost_utils.process_allgather(np.int32(code))))
+        if error is None and worst < 2:
+            kind = rewards.RewardInterrupted if worst == 1 else rewards.RewardFailed
+            error = kind("a reward failed on another process (its error names the sample)")
+    if error is not None:
+        raise error
+
+
 def check_writable(workdir: str) -> None:
     """Creates `workdir` (local or gs://) and writes and deletes a probe file in it; ConfigError
     with the reason if that fails, before anything else is written."""
@@ -270,15 +323,20 @@ def check_writable(workdir: str) -> None:
         ) from None
 
 
-def prepare_workdir(workdir: str, *, fresh: bool) -> None:
+def prepare_workdir(workdir: str, *, fresh: bool, guard=None) -> None:
     """Checks `workdir` is writable, takes its lock (InUseError while another live run holds
     it), sends INFO logs to workdir/train.log and, with `fresh`, moves old checkpoints aside
-    (only once the lock is ours: --fresh never breaks a live run)."""
-    check_writable(workdir)
-    workdir_lib.acquire(workdir)
+    (only once the lock is ours: --fresh never breaks a live run). With `guard` (a
+    PreemptionGuard), a signal's exit at once waits for these writes and releases the lock."""
+    guard = guard or checkpoint_lib.PreemptionGuard()
+    with guard.writing():
+        check_writable(workdir)
+        workdir_lib.acquire(workdir)
+        guard.on_exit.append(lambda: workdir_lib.release(workdir))
     console.log_to_file(workdir, jax.process_index())
     if fresh and jax.process_index() == 0:
-        start_fresh(workdir)
+        with guard.writing():
+            start_fresh(workdir)
     if jax.process_count() > 1:  # the others wait until process 0 moved old checkpoints
         multihost_utils.sync_global_devices("jrl.train: workdir ready")
 
@@ -352,11 +410,29 @@ def start_or_resume(
     return sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), None, 0
 
 
-def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) -> dict:
+def run(
+    cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False, guard=None
+) -> dict:
     """Trains (or resumes); returns the last step's metrics (with the final eval). `fresh`: move
     old checkpoints aside first; `allow_changes`: resume despite other config / input files.
     Raises ConfigError / CheckpointError (before anything is written), NonFiniteError,
-    workdir.WriteError, or checkpoint.Preempted (after saving the step it stopped at)."""
+    rewards.RewardFailed (nothing of the step it failed in is kept), workdir.WriteError, or
+    checkpoint.Preempted (after saving the step it stopped at, or, when a stop abandoned a
+    step's reward, with the checkpoints committed before that step).
+
+    Signals (SIGTERM, SIGINT): `guard` is a `checkpoint.PreemptionGuard` already entered; the
+    command line enters one with `at_once` before anything else: until the first step of this
+    start is done a signal exits at once (status 42: nothing new to save, no file half-written),
+    from then on it stops the loop after the step, which is saved. Default: one entered here
+    without `at_once` (a library caller's process is never ended by it): a signal while starting
+    stops the run after its first step."""
+    with contextlib.ExitStack() as stack:
+        if guard is None:
+            guard = stack.enter_context(checkpoint_lib.PreemptionGuard())
+        return _run(cfg, workdir, fresh=fresh, allow_changes=allow_changes, guard=guard)
+
+
+def _run(cfg, workdir: str, *, fresh: bool, allow_changes: bool, guard) -> dict:
     config_lib.validate(cfg)
     if "://" not in workdir:
         workdir = os.path.abspath(workdir)  # orbax needs absolute paths
@@ -366,7 +442,10 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     microbatch.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
-    prepare_workdir(workdir, fresh=fresh)
+    rewards.defer_failures(reward_fn)  # a failing reward ends the step; the loop checks it
+    rewards.clear_stop()
+    guard.on_request.append(rewards.request_stop)  # SIGTERM: a user reward gets a grace period
+    prepare_workdir(workdir, fresh=fresh, guard=guard)
     main_process = jax.process_index() == 0  # the one that writes metrics and config.json
     say = print if main_process else lambda *_, **__: None  # the few lines a run shows
     long_prompts = prompt_counts(task)
@@ -402,24 +481,20 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     state, resumed, start = start_or_resume(
         cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
     )
+    check_rewards(reward_fn)  # the warm-up's evals
     metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
     if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
-        with workdir_lib.writing(metrics_path):
+        with workdir_lib.writing(metrics_path), guard.writing():
             metric_files.trim_metrics(workdir, start if resumed is not None else -1)
         config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
-        with workdir_lib.writing(config_path):
+        with workdir_lib.writing(config_path), guard.writing():
             metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
-    with workdir_lib.writing(metrics_path):
-        writer = workdir_lib.Guarded(MetricWriter(workdir, enabled=main_process), metrics_path)
+    with workdir_lib.writing(metrics_path), guard.writing():
+        writer = workdir_lib.Guarded(
+            MetricWriter(workdir, enabled=main_process), metrics_path, hold=guard.writing
+        )
     bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process, kl=kl_metric(cfg))
     evaluate = make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar)
-    if resumed is None:
-        metrics = evaluate(state, 0)
-        first_accuracy = metrics["val/accuracy"]
-        writer.write(0, {**metrics, **long_prompts})
-    else:
-        first_accuracy = resumed["val/accuracy_first"]
-        metrics = evaluate(state, start) if start >= cfg.total_steps else {}
     config_json = json.loads(cfg.to_json_best_effort())
     save_extra = lambda done: {  # what a checkpoint records next to the state
         "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
@@ -431,7 +506,14 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
     batch_size = step_lib.prompts_per_step(cfg)
     my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
     consecutive_skips, done = 0, start
-    with checkpoint_lib.PreemptionGuard() as guard:
+    try:
+        if resumed is None:
+            metrics = evaluate(state, 0)
+            first_accuracy = metrics["val/accuracy"]
+            writer.write(0, {**metrics, **long_prompts})
+        else:
+            first_accuracy = resumed["val/accuracy_first"]
+            metrics = evaluate(state, start) if start >= cfg.total_steps else {}
         for i in range(start, cfg.total_steps):
             local = task.train_batch(i, batch_size, rows=my_rows)  # only this host's rows
             batch = sharding.global_batch(local, batch_sh, batch_size)
@@ -439,6 +521,8 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
             with jax.set_mesh(mesh):
                 state, metrics = step_fn(state, batch)
             metrics = to_python(jax.device_get(metrics))
+            check_rewards(reward_fn)  # before anything of the step is written or saved
+            guard.defer()  # this start has a step to save: a signal now stops after a step
             elapsed = time.perf_counter() - t
             metrics["timing_s/step"] = elapsed
             metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
@@ -453,6 +537,8 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
                 writer.flush()  # a resumed run does not redo the rows up to a checkpoint
             if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
                 break
+    except rewards.RewardFailed as e:  # nothing of this step is kept; earlier saves commit
+        stop_after_reward_failure(e, ckpt, [bar, writer], workdir)
     # the one way out (done, or preempted after step `done`): save, close, release
     if cfg.checkpoint.at_end or done < cfg.total_steps:  # a preempted run always saves
         ckpt.save(done, saved(state), save_extra(done))  # no-op if already saved
@@ -464,6 +550,22 @@ def run(cfg, workdir: str, *, fresh: bool = False, allow_changes: bool = False) 
         raise checkpoint_lib.Preempted(done)
     metrics["val/accuracy_first"] = first_accuracy
     return metrics
+
+
+def stop_after_reward_failure(error, ckpt, closing, workdir: str) -> None:
+    """Ends a run whose reward failed in a step: the checkpoints started before that step commit
+    (nothing of the step is saved or written), `closing` are closed and the workdir released.
+    Raises `error`, or `checkpoint.Preempted` when a stop request abandoned the reward."""
+    ckpt.close()
+    for thing in closing:
+        thing.close()
+    workdir_lib.release(workdir)
+    if isinstance(error, rewards.RewardInterrupted):
+        last = ckpt.latest_step()
+        resume = f"checkpoint {last}" if last is not None else "the start"
+        logging.warning("%s: the step is not saved; a rerun resumes from %s.", error, resume)
+        raise checkpoint_lib.Preempted(last or 0) from None
+    raise error
 
 
 def first_prompt(task) -> str:
@@ -531,6 +633,7 @@ def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, 
     def evaluate(state, step):
         with jax.set_mesh(mesh):  # traced under the mesh: the KV cache is pinned to it
             metrics, found = samples_lib.split(to_python(eval_fn(state, eval_batch)))
+        check_rewards(reward_fn)
         rows = samples_lib.rows(task, task.eval_batch(), found) if jax.process_index() == 0 else []
         writer.write_samples(step, rows, samples_lib.markdown(rows))
         bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}")

@@ -107,10 +107,12 @@ def writing(path):
 
 
 class Guarded:
-    """`target` with calls of its methods `methods` (default: all) inside `writing(path)`."""
+    """`target` with calls of its methods `methods` (default: all) inside `writing(path)`, and
+    inside `hold()` when given (e.g. a PreemptionGuard's `writing`: no exit in mid-write)."""
 
-    def __init__(self, target, path, methods: tuple[str, ...] | None = None):
+    def __init__(self, target, path, methods: tuple[str, ...] | None = None, hold=None):
         self._target, self._path, self._methods = target, path, methods
+        self._hold = hold or contextlib.nullcontext
 
     def __getattr__(self, name):
         attr = getattr(self._target, name)
@@ -119,7 +121,7 @@ class Guarded:
 
         @functools.wraps(attr)
         def call(*args, **kwargs):
-            with writing(self._path):
+            with writing(self._path), self._hold():
                 return attr(*args, **kwargs)
 
         return call
