@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import weakref
 from typing import Sequence
 
 import jax
@@ -55,6 +56,9 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # start / end of the decoded text, and Metaspace's prepend scheme drops the space of the first
 # word; a stop string is matched against the tokens' own bytes, before either.
 _WHOLE_TEXT = ("Strip",)
+# tokenizer -> its token_bytes: a run builds tables more than once (its checks, its rollouts, the
+# tool host), and a 262k-token vocabulary takes seconds to read
+_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StopStringError(ValueError):
@@ -77,13 +81,21 @@ def _decoder_steps(spec) -> list[dict]:
     return [spec]
 
 
-def token_bytes(tokenizer) -> list[bytes]:
+def token_bytes(tokenizer) -> tuple[bytes, ...]:
     """The bytes of each token id of `tokenizer` (a `transformers` fast tokenizer), such that the
     bytes of a sequence of ids joined are its decoded text (skip_special_tokens=False) in UTF-8
-    (before decoders that act on the whole text: `Strip`, Metaspace's first space).
+    (before decoders that act on the whole text: `Strip`, Metaspace's first space). Read once
+    per tokenizer object.
 
     Understood decoders: byte-level BPE (`ByteLevel`), and SentencePiece's `Replace`,
     `ByteFallback`, `Fuse`, `Strip`, `Metaspace`. StopStringError for others."""
+    if tokenizer in _TOKEN_BYTES:
+        return _TOKEN_BYTES[tokenizer]
+    out = _TOKEN_BYTES[tokenizer] = tuple(_read_token_bytes(tokenizer))
+    return out
+
+
+def _read_token_bytes(tokenizer) -> list[bytes]:
     backend = tokenizer.backend_tokenizer
     spec = json.loads(backend.to_str()).get("decoder")
     steps = _decoder_steps(spec)

@@ -6,6 +6,8 @@ A format is built once per run, `FORMATS.get(name)(tokenizer, tools)`, and gives
     (matched on the decoded text inside the decode loop: `jrl.stop_strings`; empty for the
     formats whose calls end at a token of their own);
   - `parse(ids) -> [Call]`: the calls in one assistant turn (empty: the turn ends the episode);
+  - `call_text(name) -> str`: a call of tool `name` with no arguments, as the model writes it
+    (the host refuses a rollout.stop that would end a turn inside a call);
   - `render(texts) -> [int]`: the block of tokens appended after the turn for its answers;
   - `overhead(n)`: the tokens `render` adds around n answers (its block without the answers);
   - `encode` / `decode` of an answer's text, `marker`, the text marking a truncated answer, and
@@ -264,6 +266,9 @@ class HermesFormat(_TokenizerText):
     def overhead(self, n: int) -> int:
         return len(self.render([""] * n))
 
+    def call_text(self, name: str) -> str:
+        return f"{self.OPEN}\n{json.dumps({'name': name, 'arguments': {}})}\n{self.CLOSE}"
+
     def parse(self, ids: Sequence[int]) -> list[Call]:
         calls = []
         for body in _between(self.decode(ids), self.OPEN, self.CLOSE):
@@ -317,6 +322,9 @@ class CompactFormat(_TokenizerText):
 
     def overhead(self, n: int) -> int:
         return 2 * n
+
+    def call_text(self, name: str) -> str:
+        return f"{self.OPEN}{name}:{self.CLOSE}"
 
     def parse(self, ids: Sequence[int]) -> list[Call]:
         ids = list(ids)
@@ -391,6 +399,9 @@ class TagsFormat(_TokenizerText):
 
     def overhead(self, n: int) -> int:
         return len(self.render([""] * n))
+
+    def call_text(self, name: str) -> str:
+        return f"<{name}></{name}>"
 
     def parse(self, ids: Sequence[int]) -> list[Call]:
         text = self.decode(ids)

@@ -276,7 +276,9 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
 
     `cfg.rollout.stop` (token ids, strings) joins the host's stop ids and strings: a turn that
     ends there has no call (or its call, when the same token also closed one), so it ends the
-    row's episode, as it ends a one-turn response."""
+    row's episode, as it ends a one-turn response. A stop whose text lies inside a call before
+    its end (`"\\n"` with format=hermes) would end every turn before its call closes: refused
+    (ConfigError, one line)."""
     mt = cfg.rollout.multi_turn
     stop = tuple(cfg.rollout.stop)
     stop_ids = [s for s in stop if isinstance(s, int) and not isinstance(s, bool)]
@@ -313,6 +315,7 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
         )
     except ValueError as e:  # FormatError / StopStringError: the template, or stop strings
         raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
+    _check_stops(fmt, mt.format, tools, stop)
     if host.block_size >= max_response_length:
         raise ConfigError(
             f"rollout.multi_turn: a block of tool answers takes up to {host.block_size} tokens "
@@ -322,3 +325,18 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
             f"max_tool_response_length or raise data.max_response_length."
         )
     return host
+
+
+def _check_stops(fmt, name: str, tools, stop) -> None:
+    """ConfigError when an entry of rollout.stop (a string, or a token id's text) occurs in a
+    call of one of `tools` (`fmt.call_text`) at a place that ends before the call's end."""
+    for s in stop:
+        text = s if isinstance(s, str) else fmt.decode([s])
+        for t in tools:
+            call = fmt.call_text(t.name)
+            if text and text in call[:-1]:
+                what = repr(s) if isinstance(s, str) else f"{s} ({text!r})"
+                raise ConfigError(
+                    f"rollout.stop {what} occurs inside a call of format='{name}' ({call!r}): "
+                    "every turn would end before its call closes; leave it out of rollout.stop."
+                )
