@@ -43,13 +43,11 @@ def get_config(arg: str | None = None):
     c.task.reward = "jrl.data.calc_products:final_answer"
     c.task.eval_size = 64  # held-out problems, greedy accuracy before / during / after
     c.data.max_response_length = 32  # R: a call (12 tokens), ` = 37908` (7), `. Answer: 37908\n`
-    # The run wants `rollout.stop = ("\n",)`: a row's episode ends with the line of its answer
-    # (the tool host takes rollout.stop's strings as stops). config.validate refuses rollout.stop
-    # with tools for now, so grpo_gemma_cpu.py's is left out. Without it a row runs on into a
-    # next worked example; a call there is run when the row has not called yet, and the final
-    # turn read by the reward is then that example's: a row that answered wrong and went on to
-    # repeat its own problem with a call would score.
-    c.rollout.stop = ()
+    # A newline ends the row's episode with the line of its answer: rollout.stop's strings join
+    # the tool host's stops (a turn ending there has no call). Without it a row runs on into a
+    # next worked example, and a call there makes that example's line the final turn the reward
+    # reads: a row that answered wrong and went on to repeat its own problem with a call scored.
+    c.rollout.stop = ("\n",)
 
     c.rollout.multi_turn.enable = True  # tool calls in the rollout
     c.rollout.multi_turn.format = "tags"  # <calc>729*52</calc> -> ` = 37908`, text in the text

@@ -18,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import multi_turn, rollout
+from configs import gemma_tools_cpu
+from jrl import models, multi_turn, rollout
+from jrl import tokenizer as tokenizer_lib
+from jrl.data import calc_products
+from jrl.data.calc_products import EXAMPLES, example_text
 from jrl.models import transformer as tfm
 from jrl.stop_strings import StopStrings
 from jrl.tools.host import make_tool_host
 from conftest import tiny_model
-from text_tokenizers import byte_bpe
+from text_tokenizers import byte_bpe, real_gemma_path
 from tools_test import multi_turn_config
 
 TOK = byte_bpe()
@@ -51,11 +55,11 @@ def left_padded(texts):
 PROMPTS, PMASK = left_padded(PROMPT_TEXTS)
 
 
-def reference_end(ids, strings, stop_ids=(EOS,)) -> int:
+def reference_end(ids, strings, stop_ids=(EOS,), tok=TOK) -> int:
     """The index of the first token at which the decoded text of `ids` holds one of `strings`,
     or which is a stop id; -1 for none."""
     for k in range(len(ids)):
-        text = TOK.decode(list(ids[: k + 1]), skip_special_tokens=False)
+        text = tok.decode(list(ids[: k + 1]), skip_special_tokens=False)
         if ids[k] in stop_ids or any(s in text for s in strings):
             return k
     return -1
@@ -196,4 +200,63 @@ def test_multi_turn_turns_end_at_stop_strings_and_tool_answers_follow(params):
     ref = full_forward_logprobs(params, PROMPTS, PMASK, ids, valid_want)
     logps = np.asarray(out.log_probs)
     np.testing.assert_allclose(logps[mask == 1], ref[mask == 1], atol=1e-5, rtol=0)
+    assert (logps[mask == 0] == 0).all()
+
+
+# -------------------------------------------------------------------------- the real model
+
+
+def test_real_gemma3_270m_multi_turn_rollout_token_for_token():
+    """Gemma 3 270M (the GGUF package's weights), greedy, on a calc_products prompt whose worked
+    examples all call: its first turn ends at the token that completes `</calc>` (Gemma writes
+    `</` `calc` `>`), the call is parsed and the calculator's answer ` = <product>` follows as
+    text (mask 0), the next turn ends at its newline; every model token is the full forward's
+    argmax at its place and its log-prob the full forward's. About 90 s and 3.5 GB on 2 cores
+    (loading the weights, compiling 18 layers); skipped without the package."""
+    path = real_gemma_path()
+    tok = tokenizer_lib.get_tokenizer(path)
+    model_cfg = models.load_config(path)
+    _, weights = models.load_pretrained(path)
+    cfg = gemma_tools_cpu.get_config()
+    r = cfg.data.max_response_length
+    host = make_tool_host(cfg, tok, max_response_length=r)
+    assert host.stop_strings == ("</calc>", "\n")
+    prefix = "".join(example_text(a, b, True) for a, b, _ in EXAMPLES)
+    task = calc_products.CalcProductsTask(tok, prefix=prefix, eval_size=1, seed=0)
+    batch = task.eval_batch()
+    prompts, pmask = batch["input_ids"], batch["attention_mask"]
+    out = jax.jit(
+        lambda w, p, m: multi_turn.generate(
+            model_cfg, w, p, m, jax.random.key(0), host=host, max_new_tokens=r,
+            eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, greedy=True,
+        )
+    )(weights, prompts, pmask)  # fmt: skip
+    ids, mask = np.asarray(out.response_ids)[0], np.asarray(out.response_mask)[0]
+    valid, logps = np.asarray(out.valid)[0], np.asarray(out.log_probs)[0]
+    end = int(valid.sum())
+    tool = np.flatnonzero((mask == 0) & (valid == 1))
+    assert len(tool) and (np.diff(tool) == 1).all(), (mask, valid)  # one block
+    start, stop = int(tool[0]), int(tool[-1]) + 1
+    turn1, block, turn2 = ids[:start].tolist(), ids[start:stop].tolist(), ids[stop:end].tolist()
+    ends = [reference_end(t, host.stop_strings, host.stop_ids, tok) for t in (turn1, turn2)]
+    assert ends[0] == len(turn1) - 1  # at the token that completes `</calc>`
+    assert ends[1] == len(turn2) - 1 or (ends[1] == -1 and end == r)  # its newline, or R full
+    call = re.search(r"<calc>(.*?)</calc>", tok.decode(turn1)).group(1)
+    a, b = map(int, call.strip().split("*"))
+    assert block == tok.encode(f" = {a * b}", add_special_tokens=False)
+    # (here: ` <calc>695*86</calc> = 59770. Answer: 59770\n`, the operands copied right)
+    assert (a, b) == tuple(int(x[0]) for x in task.eval_problems)
+    assert (mask[:end] == (np.arange(end) < start) | (np.arange(end) >= stop)).all()
+    # the full forward of the same sequence (prompt, model and tool tokens)
+    seq = jnp.concatenate([jnp.asarray(prompts), jnp.asarray(ids[None])], 1)
+    att = jnp.concatenate([jnp.asarray(pmask), jnp.asarray(valid[None])], 1)
+    p = prompts.shape[1]
+    logits = jax.jit(lambda w, x, m: tfm.forward(model_cfg, w, x, m))(weights, seq, att)
+    logits = np.asarray(logits[0, p - 1 : -1], np.float32)
+    model = np.flatnonzero(mask == 1)
+    top = logits[model].max(-1)
+    chosen = logits[model, ids[model]]
+    assert (chosen >= top - 1e-5).all()  # greedy: the argmax, up to float ties
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))[np.arange(r), ids]
+    np.testing.assert_allclose(logps[model], ref[model], atol=1e-5, rtol=0)  # 1.3e-6 here
     assert (logps[mask == 0] == 0).all()

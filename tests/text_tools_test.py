@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 from jrl import data, rewards
+from jrl.config import ConfigError
 from jrl.data import calc_products
 from jrl.step import final_turn_mask
 from jrl.tools import TOOLS
 from jrl.tools.formats import FORMATS, Call, FormatError
 from jrl.tools.host import STAT_NAMES, make_tool_host
 from text_tokenizers import byte_bpe, sentencepiece_bpe
-from tools_test import blocks, multi_turn_config, pause
+from tools_test import blocks, multi_turn_config, pause, qwen_style_tokenizer
 
 TOKENIZERS = [byte_bpe, sentencepiece_bpe]
 
@@ -91,6 +92,28 @@ def test_host_advertises_the_stop_strings(make):
     assert host.stop_strings == ("</calc>", "\n") and host.stop_ids == (tok.eos_token_id, 7)
     # the other formats have none
     assert FORMATS.get("hermes").stop_strings == () == FORMATS.get("compact").stop_strings
+
+
+def test_a_stop_inside_a_call_is_refused():
+    """rollout.stop joins the host's stops, except a stop whose text lies in a format's call
+    before its end: every turn would end before its call closes (one line, before any
+    compile)."""
+    tok = byte_bpe()
+    for stop, fmt, make in [
+        (("<",), "tags", byte_bpe),
+        (("</calc",), "tags", byte_bpe),
+        (("\n",), "hermes", qwen_style_tokenizer),
+        ((tok.convert_tokens_to_ids("/"),), "tags", byte_bpe),
+    ]:
+        cfg = multi_turn_config(format=fmt, max_tool_response_length=8)
+        cfg.rollout.stop = stop
+        with pytest.raises(ConfigError, match="occurs inside a call of format=") as e:
+            make_tool_host(cfg, make(), max_response_length=64)
+        assert "\n" not in str(e.value) and "leave it out of rollout.stop" in str(e.value)
+    for stop in [("\n", "</calc>"), ("/calc>",), (tok.eos_token_id,)]:  # at the call's end: fine
+        cfg = multi_turn_config(format="tags", max_tool_response_length=8)
+        cfg.rollout.stop = stop
+        make_tool_host(cfg, tok, max_response_length=64)
 
 
 @pytest.mark.parametrize("make", TOKENIZERS)
@@ -288,7 +311,7 @@ def test_config_builds_its_task_and_host():
     task = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
     assert task.tools and task.prefix == calc_products.TOOL_EXAMPLES
     host = make_tool_host(cfg, tok, max_response_length=cfg.data.max_response_length)
-    assert host.stop_strings == ("</calc>",)  # rollout.stop is left out (see the config)
+    assert host.stop_strings == ("</calc>", "\n")  # the tags' closing, rollout.stop's newline
     assert host.block_size < cfg.data.max_response_length
     cfg.rollout.multi_turn.enable = False
     plain = data.make_task(cfg.task.name, tok, **data.task_options(cfg))
