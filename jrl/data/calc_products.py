@@ -19,8 +19,8 @@ The worked examples (`prefix`, one `Q: ...\\nA: ...` pair a line) come in two bu
 small one is answered directly, and `DIRECT_EXAMPLES` for runs without, the same problems
 answered directly. Which examples call sets how often the base model calls: with every example
 calling, Gemma 3 270M calls on every problem (greedy) and leaves RL nothing to learn; with three
-of four (the small direct one third), it calls on about a third of its samples and never when
-greedy, so the greedy accuracy starts at 0 and rises as RL makes calling its first choice.
+of four (the small direct one third), it calls on about a third of its samples and seldom when
+greedy, so the greedy accuracy starts near 0 and rises as RL makes calling its first choice.
 
 The answer is the model's own: the reward (`final_answer`, a host reward named by its path
 `jrl.data.calc_products:final_answer`) reads the last number on the first line of the model's
