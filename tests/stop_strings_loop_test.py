@@ -12,6 +12,7 @@ Gemma 3 270M package is installed, one greedy multi-turn rollout of the real mod
 the same way."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,27 @@ def test_one_turn_rows_end_at_the_token_that_completes_a_stop_string(params, com
     logps = np.asarray(out.log_probs)
     np.testing.assert_allclose(logps[mask == 1], ref[mask == 1], atol=1e-5, rtol=0)
     assert (logps[mask == 0] == 0).all()
+
+
+def test_rollout_stop_reaches_the_rollouts():
+    """rollout.stop's ids and strings as the run hands them on (`trainer.sampling_ids` ->
+    `StepSpec.sampling_ids` -> the rollout's keywords): one-turn, the tables of its strings
+    (of any number of tokens); with tools none, as the host's stops take them in."""
+    from conftest import tiny_config
+    from jrl import step as step_lib
+    from jrl.run import trainer
+
+    cfg = tiny_config(**{"rollout.stop": ("5=", 7, ";")})
+    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    ids = trainer.sampling_ids(tok, task, cfg)
+    assert ids["stop_ids"] == (7,) and ids["stop_strings"].strings == (b"5=", b";")
+    spec = step_lib.make_spec(cfg, model_cfg, reward_fn, **ids)
+    assert spec.sampling_ids == {**ids, "tool_host": None}
+    cfg.rollout.multi_turn.enable, cfg.rollout.multi_turn.format = True, "compact"
+    cfg.rollout.multi_turn.max_tool_response_length = 8
+    ids = trainer.sampling_ids(tok, types.SimpleNamespace(max_response_length=64), cfg)
+    assert ids["stop_strings"] is None and ids["tool_host"].stop_strings == ("5=", ";")
+    assert ids["tool_host"].stop_ids == (tok.eos_token_id, tok.convert_tokens_to_ids(">"), 7)
 
 
 # -------------------------------------------------------------------------- multi-turn
