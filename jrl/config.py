@@ -137,8 +137,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature (also applied to log-probs in the update)
     c.rollout.top_k = 0  # keep the k most likely tokens; 0: off
     c.rollout.top_p = 1.0  # nucleus sampling mass; 1.0: off
-    # more tokens that end a response as EOS does (kept in it, as EOS is): one-token strings or
-    # token ids, e.g. ("\n",) to stop at the end of a line
+    # what ends a response as EOS does (kept in it, as EOS is): token ids, and strings matched on
+    # the text however the tokens spell it (jrl/stop_strings.py), e.g. ("\n",) to stop at the end
+    # of a line; with tools they end the turn and, with no call in it, the row's episode
     c.rollout.stop = ()
     # one-turn rollouts: the decode runs in stages of B, B/2, B/4, B/8 rows, the live rows gathered
     # into the smaller batch once no more are live than it holds, so a batch whose responses end
@@ -550,9 +551,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check(
         isinstance(cfg.rollout.stop, (tuple, list))
         and all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in cfg.rollout.stop),
-        f"rollout.stop={cfg.rollout.stop!r} must be a tuple of one-token strings or token ids, "
+        f"rollout.stop={cfg.rollout.stop!r} must be a tuple of strings or token ids, "
         f"e.g. ('\\n',).",
     )
+    for s in cfg.rollout.stop if isinstance(cfg.rollout.stop, (tuple, list)) else ():
+        _check(
+            not isinstance(s, str) or (s and "\0" not in s),
+            f"rollout.stop string {s!r}: give a non-empty string without NUL characters.",
+        )
     for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
         v = cfg.actor[name]
         if v is None and name != "clip_ratio":
@@ -703,11 +709,6 @@ def _validate_multi_turn(cfg: ml_collections.ConfigDict) -> None:
     _check(
         mt.max_tool_response_length >= 1,
         f"{field}.max_tool_response_length={mt.max_tool_response_length} must be >= 1.",
-    )
-    _check(
-        not cfg.rollout.stop,
-        f"rollout.stop={tuple(cfg.rollout.stop)!r} with {field}.enable=True: a turn ends at EOS or "
-        "the format's call end; leave rollout.stop out.",
     )
     _check(mt.tool_timeout > 0, f"{field}.tool_timeout={mt.tool_timeout} must be > 0 seconds.")
     budget = cfg.data.max_response_length

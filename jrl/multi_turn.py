@@ -3,15 +3,18 @@
 A row decodes as in `jrl.rollout`, but each row has its own write offset `length[b]`: its next
 model token goes to response slot `length[b]` (cache slot P + length[b], position id
 first_position + length[b]). When a row samples one of the host's stop ids (the end of a tool
-call, or EOS) it waits; in a step where any row waits, a host callback gets the responses so far
-and returns a block of up to K token ids per waiting row (a rendered tool result), and one K-token
-forward writes every waiting row's block into its KV cache and response at the row's own offset
-(rows with nothing to append are left unchanged). Decoding then goes on from the block's last
-token. A row ends when the host says so, or when the response budget R is full (a block that
-does not fit is cut on the right; a row whose last slot holds a stop id ends without a call).
-Turn counts are data: the loop compiles once. A step without a waiting row neither calls the
-host nor runs the block forward: both sit in `while_loop`s of 0 or 1 trips (`rollout.when`),
-which, unlike `lax.cond`, leave the KV cache in place.
+call, or EOS), or a token whose bytes complete one of the host's stop strings in the text of
+the row's current turn (`</calc>` however the tokens spell it: `host.stop_tables`, a byte tail
+per row in the loop's carry, emptied where a block is appended), it waits; in a step where any
+row waits, a host callback gets the responses so far and returns a block of up to K token ids
+per waiting row (a rendered tool result), and one K-token forward writes every waiting row's
+block into its KV cache and response at the row's own offset (rows with nothing to append are
+left unchanged). Decoding then goes on from the block's last token. A row ends when the host
+says so, or when the response budget R is full (a block that does not fit is cut on the right;
+a row whose last slot holds a stop id ends without a call). Turn counts are data: the loop
+compiles once. A step without a waiting row neither calls the host nor runs the block forward:
+both sit in `while_loop`s of 0 or 1 trips (`rollout.when`), which, unlike `lax.cond`, leave the
+KV cache in place.
 
 Arrays follow verl's agent-loop contract (docs/design.md#token-alignment for the alignment):
 response slot t holds a model token (`response_mask` 1, `log_probs` the sampler's log-prob) or
@@ -57,11 +60,14 @@ class Host(Protocol):
     """The host side of the turn loop (tool calls parsed, run and rendered on the CPU).
 
     `block_size`: K, the most tokens one call appends to a row. `stop_ids`: the token ids that
-    pause a row and call the host (EOS among them). `stat_names` (optional, default none): the
+    pause a row and call the host (EOS among them). `stop_tables` (optional, default None): a
+    `jrl.stop_strings.StopStrings` whose strings pause a row too, at the token that completes
+    one in the text of the row's current turn. `stat_names` (optional, default none): the
     S columns of `TurnResult.stats`. The call gets the responses so far, `response_ids`
     [B, R] int32 (pad after `length`), `length` [B] int32, `turn_start` [B] int32 (the response
     slot where the row's current model turn began: the turn is
-    response_ids[b, turn_start[b]:length[b]], its last token a stop id), `waiting` [B] bool
+    response_ids[b, turn_start[b]:length[b]], its last token a stop id or the one that
+    completed a stop string), `waiting` [B] bool
     (the rows to answer) and `turns` [B] int32 (the row's model turns so far, the one just
     ended included; a call that appends nothing to a row that goes on keeps its turn open)."""
 
@@ -121,7 +127,8 @@ def _host_call(host, b: int, k: int, s: int):
 
 def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Host, **options):
     """Samples up to `max_new_tokens` response slots per row, model and tool tokens together,
-    calling `host` whenever rows stop at one of `host.stop_ids`; see the module docstring.
+    calling `host` whenever rows stop at one of `host.stop_ids` or `host.stop_tables`' strings;
+    see the module docstring.
     Returns a `MultiTurnRollout`.
 
     The arguments and `options` are `jrl.rollout.generate`'s: max_new_tokens, eos_id and pad_id
@@ -146,7 +153,9 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
         raise ValueError(f"multi-turn host: block_size is {k}; it must be at least 1.")
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
+    stop_strings = getattr(host, "stop_tables", None)
     opts = rollout.Options(p, r, eos_id, pad_id, stop_ids, **sampling, per_row=True)
+    opts = opts._replace(stop_strings=stop_strings)
     variables = rollout.prepare(model_cfg, params)  # once, outside the decode loop
     force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)
     draws = rollout.Draws(jax.random.uniform(key, (r, b)), force_ids=force)
@@ -189,11 +198,13 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
             stats=state.stats + jnp.where(waiting[:, None], res.stats, 0.0),
         )
         rows = rows._replace(logits=logits, cache=cache, length=length, done=done)
+        if stop_strings is not None:  # the next turn's text starts after the tool's answer
+            rows = rows._replace(tail=stop_strings.reset(rows.tail, n > 0))
         return c._replace(rows=rows, ids=put(c.ids, start, block, n), turn=state)
 
     def hook(c: rollout.Carry, stopped) -> rollout.Carry:
-        """A live row that wrote a stop id before its last slot waits for the host (a step
-        with none runs no callback and no block forward)."""
+        """A live row that wrote a stop id or completed a stop string before its last slot
+        waits for the host (a step with none runs no callback and no block forward)."""
         waiting = stopped & (c.rows.length < r)
         return rollout.when(jnp.any(waiting), lambda c: turn(c, waiting), c)
 

@@ -5,9 +5,10 @@ right-padded to R. The cache has P + R slots; prompt token j sits in slot j, res
 slot P + t. Position ids skip the left padding, so a row's tokens are numbered 0, 1, 2, ...
 whatever its padding.
 
-`response_mask[:, t]` is 1 up to and including the first EOS (or `stop_ids` token) and 0 after
-it; `log_probs[:, t]` is log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k /
-top-p filtered) policy, the same quantity the update recomputes.
+`response_mask[:, t]` is 1 up to and including the first EOS (or `stop_ids` token, or the token
+whose bytes complete one of `stop_strings`) and 0 after it; `log_probs[:, t]` is
+log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k / top-p filtered) policy,
+the same quantity the update recomputes.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def decode_stages(rows: int, shards: int = 1, min_rows: int = 16) -> tuple[int, 
 
 
 class Options(NamedTuple):
-    """What a decode fixes at trace time: the prompt and response lengths, the token ids that
-    end (or, with `per_row`, pause) a row, and the sampler's settings (`sample_token`'s).
-    `per_row`: each row writes at its own response slot (`_Rows.length`), as the multi-turn
-    rollout's rows do; else every live row writes at slot t."""
+    """What a decode fixes at trace time: the prompt and response lengths, the token ids and
+    stop strings that end (or, with `per_row`, pause) a row, and the sampler's settings
+    (`sample_token`'s). `per_row`: each row writes at its own response slot (`_Rows.length`), as
+    the multi-turn rollout's rows do; else every live row writes at slot t."""
 
     p: int  # P, prompt slots
     r: int  # R, response slots
@@ -61,6 +62,9 @@ class Options(NamedTuple):
     top_p: float = 1.0
     greedy: bool = False
     per_row: bool = False
+    # `jrl.stop_strings.StopStrings`: a row stops at the token whose bytes complete one of its
+    # strings in the text of the row's current turn (a byte tail per row, `_Rows.tail`); None: off
+    stop_strings: Any = None
 
 
 class Draws(NamedTuple):
@@ -82,6 +86,7 @@ class _Rows(NamedTuple):
     key_valid: jax.Array  # [S, P + R] bool: real prompt slots, then every response slot
     first_position: jax.Array  # [S] int32: the position id of response token 0
     length: jax.Array  # [S] int32: response slots filled (the next token's slot)
+    tail: jax.Array | None = None  # [S, W] uint8: the turn's last bytes (Options.stop_strings)
 
 
 class Carry(NamedTuple):
@@ -144,6 +149,7 @@ def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opt
         pre.key_valid,
         pre.first_position,
         jnp.zeros((b,), jnp.int32),
+        None if opts.stop_strings is None else opts.stop_strings.init(b),
     )
     return Carry(
         jnp.int32(0),
@@ -219,13 +225,18 @@ def forward(model_cfg, variables, opts: Options, rows: _Rows, ids_SL, start, wri
 
 
 def decode_step(model_cfg, variables, draws: Draws, opts: Options, carry: Carry):
-    """One decode step: the next token of every live row sampled and recorded (`record`), then
-    its forward, which writes its keys / values into the cache and gives the logits of the
-    token after it. Returns (carry, stopped [S]: the live rows whose token is EOS or a stop id;
-    what ends or pauses them is the caller's: `end_stopped` or a turn hook)."""
+    """One decode step: the next token of every live row sampled and recorded (`record`), its
+    bytes added to the row's tail (`opts.stop_strings`), then its forward, which writes its keys
+    / values into the cache and gives the logits of the token after it. Returns (carry, stopped
+    [S]: the live rows whose token is EOS or a stop id or completes a stop string; what ends or
+    pauses them is the caller's: `end_stopped` or a turn hook)."""
     token, stopped, carry = record(opts, draws, carry)
     rows = carry.rows
     live = ~rows.done
+    if opts.stop_strings is not None:  # here, not in `record`: a stage's last token is redrawn
+        tail, hit = opts.stop_strings.step(rows.tail, token)
+        stopped = stopped | (live & hit)
+        rows = rows._replace(tail=jnp.where(live[:, None], tail, rows.tail))
     slot = _slot(opts, carry)
     out = forward(
         model_cfg, variables, opts, rows, token[:, None], slot, live if opts.per_row else True
@@ -241,7 +252,7 @@ def decode_step(model_cfg, variables, draws: Draws, opts: Options, carry: Carry)
 
 
 def end_stopped(carry: Carry, stopped) -> Carry:
-    """The one-turn rollout's turn hook: a row ends at EOS or a stop id."""
+    """The one-turn rollout's turn hook: a row ends at EOS, a stop id or a stop string."""
     return carry._replace(rows=carry.rows._replace(done=carry.rows.done | stopped))
 
 
@@ -281,11 +292,16 @@ def generate(
     greedy: bool = False,
     samples: int = 1,
     stop_ids: tuple[int, ...] = (),
+    stop_strings=None,
     forced_length=None,
+    force_ids=None,
     compact_min_rows: int = 0,
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
     `stop_ids` are more tokens that end a row as EOS does (kept in the response and its mask).
+    `stop_strings` (`jrl.stop_strings.StopStrings`, rollout.stop's strings): a row ends at the
+    token whose bytes complete one of them in the row's response text, however the tokens spell
+    it (kept, with any text after the string in the same token).
 
     With `samples` = n > 1 the prompt arrays hold each prompt once and every prompt gets n
     consecutive rows (`jnp.repeat` order, B = n x the prompts): a prompt's keys and values are
@@ -301,13 +317,17 @@ def generate(
     `forced_length` ([B] int, 1..R; the benchmark's fixed response lengths, `jrl.run.benchmark`):
     row b never samples EOS before token `forced_length[b] - 1` and emits EOS there, so its
     response is exactly that long whatever the model samples. Its `log_probs` are the policy's
-    (unmasked) log-probs of the tokens written. None: plain sampling."""
+    (unmasked) log-probs of the tokens written. None: plain sampling. `force_ids` ([B, R] int32
+    or None, for scripted tests): where >= 0, the token at that response slot is this id instead
+    of a draw; its log-prob is still the policy's."""
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
+    opts = opts._replace(stop_strings=stop_strings)
     variables = prepare(model_cfg, params)  # once, outside the decode loop
     forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
-    draws = Draws(jax.random.uniform(key, (r, b)), forced)  # every step's draws, before the loop
+    force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)
+    draws = Draws(jax.random.uniform(key, (r, b)), forced, force)  # every step's, before the loop
     shards = partitioning.context_shards("batch")
     stages = decode_stages(b, shards, compact_min_rows) if compact_min_rows > 0 else (b,)
 

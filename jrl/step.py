@@ -283,6 +283,9 @@ class StepSpec:
     # the multi-turn rollout's host (`jrl.tools.host.make_tool_host`; rollout.multi_turn.enable),
     # bound into the compiled program: one host, one compile. None: one-turn rollouts.
     tool_host: Any = None
+    # rollout.stop's strings (`jrl.stop_strings.StopStrings`) that end a one-turn response; None:
+    # none (with a tool host they are the host's)
+    stop_strings: Any = None
     # the benchmark's fixed response length of each of the B rows (`rollout.generate`'s
     # `forced_length`); None (every run): the policy decides where EOS falls
     forced_length: tuple[int, ...] | None = None
@@ -295,7 +298,7 @@ class StepSpec:
 
     @property
     def sampling_ids(self) -> dict:  # what `make_spec` took of `jrl.run.trainer.sampling_ids`
-        names = ("eos_id", "pad_id", "max_new_tokens", "stop_ids", "tool_host")
+        names = ("eos_id", "pad_id", "max_new_tokens", "stop_ids", "stop_strings", "tool_host")
         return {name: getattr(self, name) for name in names}
 
     @property
@@ -325,6 +328,7 @@ def make_spec(
     pad_id: int,
     max_new_tokens: int,
     stop_ids: tuple[int, ...] = (),
+    stop_strings=None,
     mesh=None,
     tool_host=None,
     forced_length=None,
@@ -351,6 +355,7 @@ def make_spec(
         tx=policy_optimizer(cfg),
         critic_tx=make_optimizer(cfg.critic),
         tool_host=tool_host,
+        stop_strings=stop_strings,
         forced_length=None if forced_length is None else tuple(int(x) for x in forced_length),
         buckets=buckets.bucket_sizes(cfg.model.response_buckets, max_new_tokens),
     )
@@ -372,7 +377,8 @@ def sample_responses(
     if tool_host is None:
         out = rollout.generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, **sampling)
         return out, out.response_mask
-    sampling.pop("stop_ids", None)  # a turn ends at the host's stop ids (rollout.stop is refused)
+    sampling.pop("stop_ids", None)  # a turn ends at the host's stops (rollout.stop's among them)
+    sampling.pop("stop_strings", None)
     sampling.pop("compact_min_rows", None)  # rollout.compact_decode is one-turn only
     if sampling.pop("forced_length", None) is not None:
         raise ValueError("forced_length (the benchmark's fixed lengths) is one-turn only")

@@ -111,24 +111,28 @@ def get_tokenizer(name_or_path: str) -> transformers.PreTrainedTokenizerFast:
 
 
 def stop_token_ids(tok, stop) -> tuple[int, ...]:
-    """`rollout.stop` as token ids: an int is a token id; a string must be exactly one token of
-    `tok` (encoded without special tokens). Raises ValueError, one line, otherwise."""
+    """The token ids of `rollout.stop` (its ints; its strings are stop strings, matched on the
+    text: `stop_strings`). Raises ValueError, one line, for an id outside the tokenizer."""
     ids = []
     for s in stop:
-        if isinstance(s, int) and not isinstance(s, bool):
-            if not 0 <= s < len(tok):
-                raise ValueError(
-                    f"rollout.stop token id {s} is outside the tokenizer's {len(tok)} ids."
-                )
-            ids.append(s)
+        if isinstance(s, str):
             continue
-        if not isinstance(s, str) or not s:
+        if not isinstance(s, int) or isinstance(s, bool):
             raise ValueError(f"rollout.stop entry {s!r} is neither a token id nor a string.")
-        enc = tok.encode(s, add_special_tokens=False)
-        if len(enc) != 1 or (enc[0] == tok.unk_token_id and s != tok.unk_token):
+        if not 0 <= s < len(tok):
             raise ValueError(
-                f"rollout.stop string {s!r} is not one token of this tokenizer (it encodes to "
-                f"{enc}); rollouts stop on single tokens: give a one-token string or a token id."
+                f"rollout.stop token id {s} is outside the tokenizer's {len(tok)} ids."
             )
-        ids.append(enc[0])
+        ids.append(s)
     return tuple(ids)
+
+
+def stop_strings(tok, stop, vocab_size: int | None = None):
+    """The `jrl.stop_strings.StopStrings` of `rollout.stop`'s strings for `tok` (None without
+    strings): a rollout row stops at the token that completes one in its text, however the
+    tokens spell it. Raises ValueError (StopStringError), one line, for a string or a tokenizer
+    that cannot be matched."""
+    from jrl.stop_strings import StopStrings
+
+    strings = [s for s in stop if isinstance(s, str)]
+    return StopStrings.build(tok, strings, vocab_size) if strings else None

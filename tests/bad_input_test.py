@@ -242,9 +242,9 @@ CASES = {
         ["--config.model.hf_path=DATA/none.gguf", "--config.tokenizer="],
         ["error: model.hf_path='DATA/none.gguf': no such .gguf file; pass an existing file"],
     ),
-    "stop_string_of_two_tokens": (
-        ["--config.rollout.stop=('12',)"],
-        ["error: rollout.stop string '12' is not one token of this tokenizer"],
+    "empty_stop_string": (
+        ["--config.rollout.stop=('',)"],
+        ["error: rollout.stop string '': give a non-empty string without NUL characters."],
     ),
     "prompt_too_long_with_error_setting": (
         [

@@ -89,16 +89,15 @@ def test_get_tokenizer_char():
     assert tok_lib.get_tokenizer("char").get_vocab() == tok_lib.char_tokenizer().get_vocab()
 
 
-def test_stop_token_ids_of_strings_and_ids():
+def test_stop_ids_and_stop_strings_of_rollout_stop():
+    """rollout.stop: its ints are token ids, its strings stop strings of any number of tokens
+    (matched on the text: tests/stop_strings_test.py)."""
     tok = tok_lib.char_tokenizer()
-    assert tok_lib.stop_token_ids(tok, ("=", 2, ";")) == (
-        18,
-        2,
-        tok.convert_tokens_to_ids(";"),
-    )
-    with pytest.raises(ValueError, match=r"rollout.stop string '12' is not one token"):
-        tok_lib.stop_token_ids(tok, ("12",))
-    with pytest.raises(ValueError, match="is not one token"):  # a newline is <unk> here
-        tok_lib.stop_token_ids(tok, ("\n",))
+    assert tok_lib.stop_token_ids(tok, ("=", 2, "12", 5)) == (2, 5)
+    tables = tok_lib.stop_strings(tok, ("=", 2, "12"))
+    assert tables.strings == (b"=", b"12")
+    assert tok_lib.stop_strings(tok, (2,)) is None
     with pytest.raises(ValueError, match="token id 88 is outside the tokenizer's 88 ids"):
         tok_lib.stop_token_ids(tok, (88,))
+    with pytest.raises(ValueError, match="non-empty"):
+        tok_lib.stop_strings(tok, ("",))

@@ -17,6 +17,13 @@ pure function of the seed, stream and step; `rows` picks a host's share of the b
                 format (`<37*48>=1776;1776`, the tool's `=1776;` not trained); kwargs: those of
                 "arithmetic", tool_demos and tool_call_share (the share of demonstrations
                 whose opening `<` is trained). Reward "arithmetic_final_answer".
+  "calc_products" few-shot 3-digit x 2-digit products for a pretrained model with a calculator
+                in the `tags` format (jrl/data/calc_products.py): worked examples that call
+                `<calc>...</calc>` (with tools) or answer directly (without), then
+                `Q: 729*52\nA:`; kwargs: tools (rollout.multi_turn.enable), num_digits, prefix,
+                eval_size, seed, max_prompt_length, max_response_length. Batches carry `row_id` /
+                `split` for its host reward "jrl.data.calc_products:final_answer" (the last
+                number on the first line of the model's final turn). No warm-up answers.
   "gsm8k"       GSM8K-style records from local files (jrl/data/math_data.py), "question" ->
                 prompt, "answer" (ending in "#### <number>") -> ground truth.
   "math"        MATH-style records, "problem" -> prompt, "solution" (with a \\boxed{} answer)
@@ -34,6 +41,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jrl.data.arithmetic import ArithmeticTask, FewShotArithmeticTask
+from jrl.data.calc_products import CalcProductsTask
 from jrl.data.math_data import MathTask, custom_task, gsm8k_task, math_task
 from jrl.data.tool_arith import ToolArithTask
 from jrl.registry import Registry
@@ -64,6 +72,16 @@ def _tool_arith_options(cfg) -> dict:
     )
 
 
+def _calc_products_options(cfg) -> dict:
+    """calc_products: worked examples that call the calculator only where the run has tools;
+    task.few_shot ("": the built-in examples) replaces them."""
+    return dict(
+        tools=cfg.rollout.multi_turn.enable,
+        num_digits=cfg.task.num_digits,
+        prefix=cfg.task.few_shot or None,
+    )
+
+
 def _file_options(cfg) -> dict:
     """gsm8k / math / custom: the files and the prompt's form; empty fields keep the task's
     defaults."""
@@ -79,9 +97,9 @@ def _file_options(cfg) -> dict:
     )
 
 
-# The built-in tasks: synthetic problems (no files), scored by the JAX rewards, with the reference
+# The built-in tasks: synthetic problems (no files); all but calc_products have the reference
 # answers the supervised warm-up trains on.
-ARITHMETIC_TASKS = ("arithmetic", "few_shot_arithmetic", "tool_arith")
+ARITHMETIC_TASKS = ("arithmetic", "few_shot_arithmetic", "tool_arith", "calc_products")
 
 TASKS = Registry(
     "task",
@@ -89,6 +107,7 @@ TASKS = Registry(
         "arithmetic": Entry(ArithmeticTask, _arithmetic_options),
         "few_shot_arithmetic": Entry(FewShotArithmeticTask, _few_shot_options),
         "tool_arith": Entry(ToolArithTask, _tool_arith_options),
+        "calc_products": Entry(CalcProductsTask, _calc_products_options),
         "gsm8k": Entry(gsm8k_task, _file_options),
         "math": Entry(math_task, _file_options),
         "custom": Entry(custom_task, _file_options),
@@ -119,6 +138,7 @@ __all__ = [
     "ARITHMETIC_TASKS",
     "TASKS",
     "ArithmeticTask",
+    "CalcProductsTask",
     "FewShotArithmeticTask",
     "MathTask",
     "ToolArithTask",

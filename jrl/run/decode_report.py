@@ -106,6 +106,7 @@ class Shape:
             cfg.rollout.temperature,
             cfg.rollout.top_k,
             cfg.rollout.top_p,
+            stop_strings=ids["stop_strings"],
         )
         self.compact_min_rows = cfg.rollout.compact_min_rows if cfg.rollout.compact_decode else 0
         self.params = jax.eval_shape(lambda: transformer.init_params(self.model_cfg, _KEY))
@@ -203,6 +204,7 @@ def in_loop_cost(shape: Shape, fill: int, block: int) -> dict | None:
             top_p=opts.top_p,
             samples=shape.n,
             stop_ids=opts.stop_ids,
+            stop_strings=opts.stop_strings,
             compact_min_rows=shape.compact_min_rows,
         )
 

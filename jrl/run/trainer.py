@@ -120,18 +120,21 @@ def policy_model(cfg) -> tuple:
 
 def sampling_ids(tok, task, cfg=None) -> dict:
     """The token ids and response length that make_step / make_phases / make_eval take; with
-    `cfg`, its `rollout.stop` as `stop_ids`, and with rollout.multi_turn.enable also the
-    multi-turn rollout's `tool_host`, built here once from the config and the tokenizer
-    (`jrl.tools.host.make_tool_host`; ConfigError when a tool does not load, the format does not
-    suit the tokenizer or a block does not fit)."""
-    stop = tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop) if cfg is not None else ()
+    `cfg`, its `rollout.stop` as `stop_ids` (its ids) and `stop_strings` (the tables of its
+    strings, `tokenizer.stop_strings`), and with rollout.multi_turn.enable instead the
+    multi-turn rollout's `tool_host`, whose stops take in rollout.stop's, built here once from
+    the config and the tokenizer (`jrl.tools.host.make_tool_host`; ConfigError when a tool does
+    not load, the format does not suit the tokenizer or a block does not fit)."""
+    stop = tuple(cfg.rollout.stop) if cfg is not None else ()
+    multi = cfg is not None and cfg.rollout.multi_turn.enable
     ids = {
         "eos_id": tok.eos_token_id,
         "pad_id": tok.pad_token_id,
         "max_new_tokens": task.max_response_length,
-        "stop_ids": stop,
+        "stop_ids": tokenizer_lib.stop_token_ids(tok, stop),
+        "stop_strings": None if multi else tokenizer_lib.stop_strings(tok, stop),
     }
-    if cfg is not None and cfg.rollout.multi_turn.enable:
+    if multi:
         ids["tool_host"] = tool_host.make_tool_host(
             cfg, tok, max_response_length=task.max_response_length
         )
@@ -181,7 +184,8 @@ def _build(cfg):
         pretrained.check_files(cfg.model.hf_path)
     tok, policy_cfg = policy_model(cfg)
     task = data.make_task(cfg.task.name, tok, **task_options(cfg))
-    tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # each one token of this tokenizer
+    tokenizer_lib.stop_token_ids(tok, cfg.rollout.stop)  # ids of this tokenizer
+    tokenizer_lib.stop_strings(tok, cfg.rollout.stop)  # strings its text can be matched for
     reward_fn = rewards.get_reward(
         cfg.task.reward,
         task,

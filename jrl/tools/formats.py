@@ -2,7 +2,12 @@
 
 A format is built once per run, `FORMATS.get(name)(tokenizer, tools)`, and gives
   - `stop_ids`: the token ids at which decoding pauses a row for the host;
+  - `stop_strings`: strings at which decoding pauses a row too, whatever tokens spell them
+    (matched on the decoded text inside the decode loop: `jrl.stop_strings`; empty for the
+    formats whose calls end at a token of their own);
   - `parse(ids) -> [Call]`: the calls in one assistant turn (empty: the turn ends the episode);
+  - `call_text(name) -> str`: a call of tool `name` with no arguments, as the model writes it
+    (the host refuses a rollout.stop that would end a turn inside a call);
   - `render(texts) -> [int]`: the block of tokens appended after the turn for its answers;
   - `overhead(n)`: the tokens `render` adds around n answers (its block without the answers);
   - `encode` / `decode` of an answer's text, `marker`, the text marking a truncated answer, and
@@ -24,11 +29,16 @@ Two formats:
   - `compact` (the built-in character tokenizer): the model writes `<12*34>` (`<name:arg>` for a
     tool other than the first) and decoding pauses at `>`; the block is `=408;` (`=` + answer +
     `;`). The argument is the tool's first required parameter.
+  - `tags` (BPE models whose chat template has no tools, few-shot prompts): the model writes
+    `<calc>12*34</calc>` in its text and decoding pauses at the stop string `</calc>` (several
+    tokens, or part of one); the block is ` = 408`, tokenized as text, and the model goes on.
+    The tag is the tool's name, the text between the tags its first required parameter.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple, Sequence
 
 from tokenizers import Tokenizer
@@ -143,6 +153,7 @@ def _between(text: str, opening: str, closing: str) -> list[str]:
 class HermesFormat(_TokenizerText):
     marker = "...(truncated)..."
     max_calls = None  # any number of calls per turn
+    stop_strings = ()  # a turn ends at the template's end-of-turn token
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _SENTINEL = "TOOL_ANSWER_3f9a"
 
@@ -255,6 +266,9 @@ class HermesFormat(_TokenizerText):
     def overhead(self, n: int) -> int:
         return len(self.render([""] * n))
 
+    def call_text(self, name: str) -> str:
+        return f"{self.OPEN}\n{json.dumps({'name': name, 'arguments': {}})}\n{self.CLOSE}"
+
     def parse(self, ids: Sequence[int]) -> list[Call]:
         calls = []
         for body in _between(self.decode(ids), self.OPEN, self.CLOSE):
@@ -282,6 +296,7 @@ class CompactFormat(_TokenizerText):
     OPEN, CLOSE, ANSWER, END = "<", ">", "=", ";"
     marker = ".."
     max_calls = 1  # a turn ends at its call's ">"
+    stop_strings = ()  # ">" is one token of the character tokenizer: a stop id
 
     def __init__(self, tokenizer, tools):
         super().__init__(tokenizer)
@@ -308,6 +323,9 @@ class CompactFormat(_TokenizerText):
     def overhead(self, n: int) -> int:
         return 2 * n
 
+    def call_text(self, name: str) -> str:
+        return f"{self.OPEN}{name}:{self.CLOSE}"
+
     def parse(self, ids: Sequence[int]) -> list[Call]:
         ids = list(ids)
         if not ids or ids[-1] != self.close_id:
@@ -320,8 +338,79 @@ class CompactFormat(_TokenizerText):
         name, sep, rest = body.partition(":")
         t = self.tools[name] if sep and name in self.tools else self.default
         arg = rest if sep and name in self.tools else body
-        params = t.parameters
-        keys = list(params.get("required") or []) or list(params.get("properties") or {})
-        if not keys:
-            return [Call(t.name, {})]
-        return [Call(t.name, {keys[0]: arg})]
+        return [_first_parameter_call(t, arg)]
+
+
+def _first_parameter_call(tool, arg: str) -> Call:
+    """A call of `tool` with `arg` as its first required parameter (its first parameter when
+    none is required; no arguments when it has none)."""
+    params = tool.parameters
+    keys = list(params.get("required") or []) or list(params.get("properties") or {})
+    return Call(tool.name, {keys[0]: arg} if keys else {})
+
+
+_TAG = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")  # a tool name usable as a tag
+
+
+@FORMATS.register("tags")
+class TagsFormat(_TokenizerText):
+    """`<calc>37*48</calc>` calls written in the text, ` = 1776` answers, for BPE models whose
+    chat template has no tool support (a base model prompted with worked examples).
+
+    The model writes `<name>argument</name>` for one of its tools; `</name>` is a stop string
+    (`stop_strings`), so decoding pauses the row at the token that completes it, however the
+    tokenizer spells it (`</` `calc` `>`, or inside a token that holds more text: that text
+    stays in the turn, before the answer). The argument (stripped of surrounding whitespace) is
+    the tool's first required parameter. The turn's call is the one its first closing tag
+    closes, opened by the nearest opening tag of the same tool before it; a closing tag with no
+    opening is answered with an error. The block is ` = ` and the answer, tokenized as text
+    (newlines in it become spaces, so the block stays on the call's line); the model then goes
+    on, e.g. to restate the answer as its own. A turn without a closing tag (it ended at EOS, or
+    at another stop string of the host) has no call: the row's episode ends.
+
+    Why this form: a tag pair in angle brackets is what code and markup on the web look like
+    (the `</...>` closing is common in BPE vocabularies: `</` is one token of Gemma 3's and
+    Qwen's), a small model copies it from two or three worked examples, and the answer after
+    ` = ` reads as the arithmetic it is."""
+
+    ANSWER = " = "
+    marker = "..."
+    max_calls = 1  # a turn ends at its call's closing tag
+
+    def __init__(self, tokenizer, tools):
+        super().__init__(tokenizer)
+        for t in tools:
+            if not _TAG.fullmatch(t.name):
+                raise FormatError(
+                    f"format=tags writes a tool's name as a tag (<name>...</name>): {t.name!r} "
+                    "is not one (letters, digits, '_', '.', '-', starting with a letter or '_'); "
+                    "rename the tool."
+                )
+        self.tools = {t.name: t for t in tools}
+        eos = tokenizer.eos_token_id
+        self.stop_ids = () if eos is None else (eos,)
+        self.stop_strings = tuple(f"</{name}>" for name in self.tools)
+
+    def _clean(self, text: str) -> str:
+        return " ".join(str(text).splitlines())
+
+    def render(self, texts: Sequence[str]) -> list[int]:
+        return self.encode("".join(self.ANSWER + self._clean(t) for t in texts))
+
+    def overhead(self, n: int) -> int:
+        return len(self.render([""] * n))
+
+    def call_text(self, name: str) -> str:
+        return f"<{name}></{name}>"
+
+    def parse(self, ids: Sequence[int]) -> list[Call]:
+        text = self.decode(ids)
+        ends = [(i, name) for name in self.tools if (i := text.find(f"</{name}>")) >= 0]
+        if not ends:
+            return []
+        end, name = min(ends)
+        opening = f"<{name}>"
+        start = text.rfind(opening, 0, end)
+        if start < 0:
+            return [Call(None, None, f"'</{name}>' closes no call: write {opening}...</{name}>")]
+        return [_first_parameter_call(self.tools[name], text[start + len(opening) : end].strip())]

@@ -1,11 +1,13 @@
 """The host side of a multi-turn rollout: the object the step calls between turns.
 
-Inside the jitted step, decoding pauses a row when it emits one of `ToolHost.stop_ids`; the step
-then calls the host (through `jax.pure_callback` / `io_callback`) with the rows written so far.
-For each waiting row the host reads the calls of the turn that just ended, runs them on host
-threads with a time limit, renders their answers as one block of tokens and returns the blocks;
-the step appends each block to its row (response mask 0) and decoding goes on. A row is finished
-when its turn has no call, when it has used `max_assistant_turns`, or when its response is full.
+Inside the jitted step, decoding pauses a row when it emits one of `ToolHost.stop_ids`, or when
+its turn's text comes to hold one of `ToolHost.stop_strings` (matched in the decode loop with the
+tables `ToolHost.stop_tables`, `jrl.stop_strings`); the step then calls the host (through
+`jax.pure_callback` / `io_callback`) with the rows written so far. For each waiting row the host
+reads the calls of the turn that just ended, runs them on host threads with a time limit,
+renders their answers as one block of tokens and returns the blocks; the step appends each block
+to its row (response mask 0) and decoding goes on. A row is finished when its turn has no call,
+when it has used `max_assistant_turns`, or when its response is full.
 
     host = make_tool_host(cfg, tokenizer, max_response_length=R)
     result = host(response_ids, length, turn_start, waiting, turns)   # numpy in, TurnResult out
@@ -24,6 +26,7 @@ import numpy as np
 
 from jrl.config import ConfigError
 from jrl.multi_turn import TurnResult
+from jrl.stop_strings import StopStrings
 from jrl.tools import base, formats, runner
 
 # Columns of TurnResult.stats: per-row counts of one turn (summed over turns by the step).
@@ -69,6 +72,13 @@ class ToolHost:
     Attributes:
       block_size: K, the width of `TurnResult.block_ids`.
       stop_ids: token ids at which decoding pauses a row and calls the host.
+      stop_strings: strings at which decoding pauses a row and calls the host too, whatever
+        tokens spell them: the format's (`</calc>` of format=tags) and `extra_stop_strings`.
+      stop_tables: the `jrl.stop_strings.StopStrings` of `stop_strings` for the decode loop
+        (None without stop strings). The loop keeps a byte tail per row (`stop_tables.init`),
+        steps it with each sampled token (`step`: a row whose turn's text now holds a stop
+        string waits, as at a stop id) and empties it where a block was appended (`reset`: the
+        next turn's text starts after the tool's answer).
       stat_names: the columns of `TurnResult.stats` (`STAT_NAMES`).
       pad_id: the id after each block's end.
       schemas: the tools' function schemas (for prompts that list them, e.g. a chat template's
@@ -88,12 +98,20 @@ class ToolHost:
         truncate_side: str,
         tool_timeout: float,
         num_workers: int,
+        extra_stop_ids: Sequence[int] = (),
+        extra_stop_strings: Sequence[str] = (),
     ):
         self.format = fmt
         self.tools = {t.name: t for t in tools}
         self.schemas = [t.schema for t in tools]
         self.pad_id = int(pad_id)
-        self.stop_ids = tuple(int(i) for i in fmt.stop_ids)
+        self.stop_ids = tuple(dict.fromkeys(int(i) for i in (*fmt.stop_ids, *extra_stop_ids)))
+        self.stop_strings = tuple(
+            dict.fromkeys((*getattr(fmt, "stop_strings", ()), *extra_stop_strings))
+        )
+        self.stop_tables = (
+            StopStrings.build(fmt.tokenizer, self.stop_strings) if self.stop_strings else None
+        )
         self.stat_names = STAT_NAMES  # the columns of TurnResult.stats
         self.max_response_length = max_response_length
         self.max_assistant_turns = max_assistant_turns
@@ -252,9 +270,19 @@ class ToolHost:
 
 def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
     """The ToolHost of `cfg.rollout.multi_turn` for `tokenizer`; ConfigError (one line) when a
-    tool cannot be loaded, the format cannot be rendered with this tokenizer, or a block of tool
-    answers would not leave room for the model in `max_response_length` tokens."""
+    tool cannot be loaded, the format cannot be rendered with this tokenizer, its stop strings
+    cannot be matched on this tokenizer's text, or a block of tool answers would not leave room
+    for the model in `max_response_length` tokens.
+
+    `cfg.rollout.stop` (token ids, strings) joins the host's stop ids and strings: a turn that
+    ends there has no call (or its call, when the same token also closed one), so it ends the
+    row's episode, as it ends a one-turn response. A stop whose text lies inside a call before
+    its end (`"\\n"` with format=hermes) would end every turn before its call closes: refused
+    (ConfigError, one line)."""
     mt = cfg.rollout.multi_turn
+    stop = tuple(cfg.rollout.stop)
+    stop_ids = [s for s in stop if isinstance(s, int) and not isinstance(s, bool)]
+    stop_strings = [s for s in stop if isinstance(s, str)]
     try:
         tools = base.resolve_tools(mt.tools)
     except ValueError as e:
@@ -282,9 +310,12 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
             truncate_side=mt.tool_response_truncate_side,
             tool_timeout=mt.tool_timeout,
             num_workers=mt.num_workers,
+            extra_stop_ids=stop_ids,
+            extra_stop_strings=stop_strings,
         )
-    except ValueError as e:  # FormatError: a number of answers the template cannot render
+    except ValueError as e:  # FormatError / StopStringError: the template, or stop strings
         raise ConfigError(f"rollout.multi_turn.format='{mt.format}': {e}") from None
+    _check_stops(fmt, mt.format, tools, stop)
     if host.block_size >= max_response_length:
         raise ConfigError(
             f"rollout.multi_turn: a block of tool answers takes up to {host.block_size} tokens "
@@ -294,3 +325,18 @@ def make_tool_host(cfg, tokenizer, *, max_response_length: int) -> ToolHost:
             f"max_tool_response_length or raise data.max_response_length."
         )
     return host
+
+
+def _check_stops(fmt, name: str, tools, stop) -> None:
+    """ConfigError when an entry of rollout.stop (a string, or a token id's text) occurs in a
+    call of one of `tools` (`fmt.call_text`) at a place that ends before the call's end."""
+    for s in stop:
+        text = s if isinstance(s, str) else fmt.decode([s])
+        for t in tools:
+            call = fmt.call_text(t.name)
+            if text and text in call[:-1]:
+                what = repr(s) if isinstance(s, str) else f"{s} ({text!r})"
+                raise ConfigError(
+                    f"rollout.stop {what} occurs inside a call of format='{name}' ({call!r}): "
+                    "every turn would end before its call closes; leave it out of rollout.stop."
+                )
