@@ -49,7 +49,10 @@ def get_config(arg: str | None = None):
     c.task.reward = "first_line"  # the text before the first newline is the answer
     c.task.eval_size = 64  # held-out problems, greedy accuracy before / during / after
     c.data.max_response_length = 5  # R: new tokens (3 digits and a newline fit)
-    c.rollout.stop = ("\n",)  # a newline ends a completion, as EOS does
+    # a newline ends a completion, as EOS does: matched on the text, so a token such as "\n\n"
+    # or ".\n" ends it too (the seed figures in README were measured when only the one-token
+    # "\n" id stopped a row)
+    c.rollout.stop = ("\n",)
 
     c.total_steps = 60  # RL steps
     c.eval_every = 20  # greedy held-out accuracy every 20 steps (and at the start and end)
