@@ -7,9 +7,9 @@ Overrides and presets (comma-separated after ':'; mesh= presets apply last):
   python -m jrl.train --config=configs/grpo_math.py:tiny     # seconds-long smoke run (tests)
   python -m jrl.train --config=configs/grpo_math.py:drgrpo   # Dr.GRPO (no std normalisation)
   python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-7b,lora,data=gsm8k ...  # LoRA
-Real models and data (local paths; nothing is downloaded). model=hf: any checkpoint, its own
+Real models and data (local paths; a model may be a Hub id). model=hf: any checkpoint, its own
 architecture and tokenizer, lr 1e-6, one update per step, verl's KL loss; data=custom: your own
-question / answer records and reward function (README "Your own data, end to end"):
+question / answer records and reward function (docs/usage.md "Your own data, end to end"):
   python -m jrl.train --config=configs/grpo_math.py:model=hf,data=custom \
     --config.model.hf_path=/models/gemma-3-270m --config.task.reward=my_reward.py:exact \
     --config.task.train_files=train.jsonl --config.task.eval_files=eval.jsonl

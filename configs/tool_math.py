@@ -5,7 +5,7 @@ appends `=56088;` (response_mask 0), and the model writes its final answer `5608
 
 The supervised warm-up shows a tool call on a `task.tool_demos` share of its problems (in a
 `task.tool_call_share` share of those the opening `<`, the choice to call, is trained) and the
-bare answer on the others; RL then finds that the call pays (README "Tools (multi-turn)").
+bare answer on the others; RL then finds that the call pays (docs/demos.md "Tools (multi-turn)").
 Without tools (`--config.rollout.multi_turn.enable=False`) the same run warms up on bare answers
 only.
 

@@ -3,7 +3,7 @@
   python scripts/tool_turn_cost.py WORKDIR [STEPS]
 
 WORKDIR is a finished run of configs/tool_math.py (its config.json and a checkpoint, e.g. the
-README's demo command's). Both steps start from that checkpoint's params, whose model calls the
+docs/demos.md command's). Both steps start from that checkpoint's params, whose model calls the
 tool (the demo's after RL: about once per row), and run the same batches (train batches 1001, ...
 of the run's task); the two steps are called alternately, STEPS times each (default 8) after their
 compile, so that both see the same machine load. Without tools the config is the run's with

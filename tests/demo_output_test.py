@@ -95,8 +95,8 @@ def test_cli_prints_summary_warmup_evals_and_json_only(cli_run):
     assert " INFO absl " in log and "orbax" in log
 
 
-# The README's "Your own data" example, at the tiny preset's size: a jsonl file of question /
-# answer records, a template, a reward function in a file, no checkpoints and a KL loss.
+# The "Your own data" example of docs/usage.md, at the tiny preset's size: a jsonl file of
+# question / answer records, a template, a reward function in a file, no checkpoints and a KL loss.
 REWARD_PY = """
 def exact(responses, ground_truths):
     return [float(r.split("\\n")[0].strip() == g.strip()) for r, g in zip(responses, ground_truths)]
