@@ -20,6 +20,10 @@ from jrl.models import transformer as tfm
 from conftest import REPO, assert_same_run, run_steps, tiny_config
 
 
+# One CPU device, compiled at the tests' XLA -O0 (tests/conftest.py).
+ONE_DEVICE = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+
+
 def _phases(cfg, mesh=None):
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     phases = step_lib.make_phases(
@@ -161,7 +165,7 @@ def test_bench_memory_reports_one_json_line():
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={**os.environ, "XLA_FLAGS": ONE_DEVICE},
     )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
