@@ -17,11 +17,11 @@ import pytest
 from jrl import step as step_lib
 from jrl.run import trainer
 from jrl.models import transformer as tfm
-from conftest import REPO, assert_same_run, run_steps, tiny_config
+from conftest import COMPILE_FLAGS, REPO, assert_same_run, run_steps, tiny_config
 
 
-# One CPU device, compiled at the tests' XLA -O0 (tests/conftest.py).
-ONE_DEVICE = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+# One CPU device, with the tests' compile settings (tests/conftest.py).
+ONE_DEVICE = f"--xla_force_host_platform_device_count=1 {COMPILE_FLAGS}"
 
 
 def _phases(cfg, mesh=None):
