@@ -101,24 +101,29 @@ def test_verl_names_in_the_fused_step(estimator, loss, correction):
         assert "rollout_corr/rollout_rs_seq_mean_k3_max" in metrics
 
 
-@pytest.mark.parametrize("estimator", sorted(set(advantages.names()) - PAIRED_NAMES))
-def test_each_estimator_in_the_fused_step(estimator):
+def _estimators_and_losses():
+    """The other estimators and policy losses, one compile for two: each loss (but vanilla) with
+    an estimator without a critic, in name order; the estimators left over with vanilla (the
+    critic ones among them), the losses left over (if any) with grpo."""
+    estimators = sorted(set(advantages.names()) - PAIRED_NAMES)
+    loss_names = sorted(set(losses.policy_loss_names()) - PAIRED_NAMES - {"vanilla"})
+    actor_only = [e for e in estimators if not advantages.ESTIMATORS[e].critic]
+    pairs = list(zip(actor_only, loss_names))
+    paired = {name for pair in pairs for name in pair}
+    pairs += [(e, "vanilla") for e in estimators if e not in paired]
+    pairs += [("grpo", loss) for loss in loss_names if loss not in paired]
+    return pairs
+
+
+@pytest.mark.parametrize("estimator, loss", _estimators_and_losses(), ids=lambda name: name)
+def test_each_estimator_and_policy_loss_in_the_fused_step(estimator, loss):
     cfg = _small(tiny_config())
-    cfg.algorithm.adv_estimator = estimator
+    cfg.algorithm.adv_estimator, cfg.actor.policy_loss = estimator, loss
     metrics = _run_three_steps(cfg)
     if estimator in ("gae", "group_ppo"):
         assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics
     if estimator == "group_ppo":
         assert metrics["group/total_endpoints"] >= 16  # at least one segment per row
-
-
-@pytest.mark.parametrize(
-    "loss", sorted(set(losses.policy_loss_names()) - PAIRED_NAMES - {"vanilla"})
-)
-def test_each_policy_loss_in_the_fused_step(loss):
-    cfg = _small(tiny_config())
-    cfg.actor.policy_loss = loss
-    _run_three_steps(cfg)
 
 
 @pytest.mark.parametrize(

@@ -251,9 +251,11 @@ def test_real_gemma3_270m_reads_and_continues_a_pattern():
     ids = tok(prompt)["input_ids"]
     n = len(ids)
     # right-padded to a fixed length: causal attention, so the pad after t changes nothing at t
-    # (one compile for the whole greedy continuation)
+    # (one compile for the whole greedy continuation). The weights are an argument of the jitted
+    # forward, not constants folded into its program (1 GB of them).
     row = jnp.asarray(ids + [0] * 3)
-    logits_fn = jax.jit(lambda x: tfm.forward(cfg, params, x[None], jnp.ones_like(x)[None])[0])
+    forward = jax.jit(lambda p, x: tfm.forward(cfg, p, x[None], jnp.ones_like(x)[None])[0])
+    logits_fn = lambda x: forward(params, x)
     for t in range(n, n + 3):
         row = row.at[t].set(jnp.argmax(logits_fn(row)[t - 1]))
     assert re.fullmatch(r"\d\d\n", tok.decode(row[n:])), tok.decode(row[n:])

@@ -17,7 +17,11 @@ import pytest
 from jrl import step as step_lib
 from jrl.run import trainer
 from jrl.models import transformer as tfm
-from conftest import REPO, assert_same_run, run_steps, tiny_config
+from conftest import COMPILE_FLAGS, REPO, assert_same_run, run_steps, tiny_config
+
+
+# One CPU device, with the tests' compile settings (tests/conftest.py).
+ONE_DEVICE = f"--xla_force_host_platform_device_count=1 {COMPILE_FLAGS}"
 
 
 def _phases(cfg, mesh=None):
@@ -161,7 +165,7 @@ def test_bench_memory_reports_one_json_line():
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        env={**os.environ, "XLA_FLAGS": ONE_DEVICE},
     )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])

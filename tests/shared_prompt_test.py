@@ -5,6 +5,7 @@ those of the full forward; `prompt_group` turns it off where it does not apply. 
 with it on against the lean step, where it is off: lean_step_test.)"""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +48,14 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     mask = np.asarray(batch[3], bool)
     params = model_test._random_params(cfg)
 
+    @functools.partial(jax.jit, static_argnums=1)  # one compile each, not op by op
     def outputs(params, group):
         out = logprobs.response_outputs(cfg, params, *batch, 0.8, with_entropy=True, group=group)
         return out, jnp.sum(out["log_prob"] * batch[3]) + jnp.sum(out["values"] * batch[3])
 
     assert logprobs.grouped_forward_suits(cfg, 11)
-    grad = lambda group: jax.grad(lambda q: outputs(q, group)[1])(params)
+    grads = jax.jit(jax.grad(lambda q, group: outputs(q, group)[1]), static_argnums=1)
+    grad = lambda group: grads(params, group)
     want, got = outputs(params, 1)[0], outputs(params, n)[0]
     for k in ("log_prob", "entropy", "values"):  # at the response's real tokens
         np.testing.assert_allclose(np.asarray(got[k])[mask], np.asarray(want[k])[mask], atol=2e-5)
@@ -60,7 +63,8 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), grad(n), grad(1))
     # A prompt's gradient is the sum over its rows: break one row's prompt and it shows.
     other = (batch[0].at[1, -1].set(batch[0][1, -1] % (cfg.vocab_size - 1) + 1), *batch[1:])
-    moved = logprobs.response_outputs(cfg, params, *other, 0.8, group=1)["log_prob"]
+    moved = jax.jit(lambda q: logprobs.response_outputs(cfg, q, *other, 0.8, group=1))(params)
+    moved = moved["log_prob"]
     assert np.abs(np.asarray(moved - want["log_prob"])[1][mask[1]]).max() > 1e-4
 
 
