@@ -133,9 +133,9 @@ def run_cli(workdir, args):
 
 TINY = "--config=configs/grpo_math.py:tiny"
 # The config files shipped in configs/ (more may come: each must be listed in the error).
-SHIPPED = ["configs/dapo_math.py", "configs/group_ppo_math.py", "configs/grpo_gemma_cpu.py"]
-SHIPPED += ["configs/grpo_math.py", "configs/gsm8k_tools.py", "configs/ppo_math.py"]
-SHIPPED += ["configs/tool_math.py"]
+SHIPPED = ["configs/dapo_math.py", "configs/gemma_tools_cpu.py", "configs/group_ppo_math.py"]
+SHIPPED += ["configs/grpo_gemma_cpu.py", "configs/grpo_math.py", "configs/gsm8k_tools.py"]
+SHIPPED += ["configs/ppo_math.py", "configs/tool_math.py"]
 
 # id -> (arguments after the tiny config; DATA is the data fixture's directory), and the pieces
 # the last stderr line must hold: the problem (field or file, value) and the fix.

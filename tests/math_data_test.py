@@ -246,7 +246,7 @@ def test_registry(tok, files):
     assert isinstance(
         data.make_task("arithmetic", tok, num_digits=1, eval_size=4), data.ArithmeticTask
     )
-    names = "arithmetic, custom, few_shot_arithmetic, gsm8k, math, tool_arith"
+    names = "arithmetic, calc_products, custom, few_shot_arithmetic, gsm8k, math, tool_arith"
     with pytest.raises(ValueError, match=f"unknown task 'gsm9k'.*{names}"):
         data.make_task("gsm9k", tok)
     # custom: the question as written (no instruction), the answer as the ground truth.

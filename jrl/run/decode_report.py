@@ -109,10 +109,13 @@ class Shape:
             stop_strings=ids["stop_strings"],
         )
         self.compact_min_rows = cfg.rollout.compact_min_rows if cfg.rollout.compact_decode else 0
-        self.params = jax.eval_shape(lambda: transformer.init_params(self.model_cfg, _KEY))
+        self.params = jax.eval_shape(lambda: transformer.init_params(self.model_cfg, _key()))
 
 
-_KEY = jax.random.key(0)
+def _key():
+    """The report's one PRNG key, made when first used (not at import: a device array made then
+    would start JAX's backend before `--target` is checked)."""
+    return jax.random.key(0)
 
 
 def _step_program(shape: Shape, fill: int, greedy: bool = False):
@@ -209,7 +212,7 @@ def in_loop_cost(shape: Shape, fill: int, block: int) -> dict | None:
         )
 
     prompts = jax.ShapeDtypeStruct((shape.groups, shape.p), jnp.int32)
-    compiled = jax.jit(gen).lower(shape.params, prompts, prompts, _KEY).compile()
+    compiled = jax.jit(gen).lower(shape.params, prompts, prompts, _key()).compile()
     hlo = compiled.as_text()
     comps = _computations(hlo)
     decode = [b for b in _loop_bodies(comps["ENTRY"]) if _is_decode(comps[b])]
@@ -288,7 +291,7 @@ def time_rollout(shape: Shape, rounds: int = 3) -> dict:
     `rounds` after a first, compiling call."""
     cfg = shape.model_cfg
     opts = shape.opts
-    params = jax.jit(lambda k: transformer.init_params(cfg, k))(_KEY)
+    params = jax.jit(lambda k: transformer.init_params(cfg, k))(_key())
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (shape.groups, shape.p)), jnp.int32)
     mask = jnp.ones_like(ids)
@@ -313,7 +316,7 @@ def time_rollout(shape: Shape, rounds: int = 3) -> dict:
             compact_min_rows=shape.compact_min_rows,
         ).response_ids
 
-    jax.block_until_ready(gen(params, _KEY))
+    jax.block_until_ready(gen(params, _key()))
     times = []
     for i in range(rounds):
         t = time.perf_counter()
