@@ -40,17 +40,19 @@ def test_count_ops_leaves_out_parameters_tuples_and_bitcasts():
     assert decode_report.count_ops(hlo) == {"instructions": 3, "fusions": 1, "loops": 1}
 
 
-@pytest.mark.parametrize("greedy", [True])
-def test_report_of_the_tiny_step(greedy):
+@pytest.mark.parametrize("greedy, block", [(True, 512), (False, 2)])
+def test_report_of_the_tiny_step(greedy, block):
     """The report compiles the tiny config's decode step (no parameter allocated) and, on CPU,
     the loop's body inside the compiled rollout; its ratios are its own bytes over the needed
-    ones worked out above."""
-    out = decode_report.decode_report(tiny_config(), greedy=greedy, timing=False)
+    ones worked out above. The rows' own 4 response slots fit one block of 512 (read in one
+    pass: no loop in the body), and take blocks of 2 in a loop with `attention_block_size=2`."""
+    cfg = tiny_config(**{"model.attention_block_size": block})
+    out = decode_report.decode_report(cfg, greedy=greedy, timing=False)
     assert out["fill"] == 7 + 4 // 2 and out["decode_attention"] == "blockwise"
     need = out["needed_bytes"]["total"]
     assert need == PARAMS * 4 + 16 * 32 * 4 + 16 * 9 * 2 * SLOT + 16 * 88 * 4
     assert out["bytes"] > 0 and out["ratio"] == round(out["bytes"] / need, 3)
     assert 0 < out["sampler_bytes"] < out["bytes"]
     assert out["ops"]["instructions"] >= out["ops"]["fusions"] > 0
-    assert out["in_loop"]["bytes"] > 0 and out["in_loop"]["ops"]["loops"] > 0
+    assert out["in_loop"]["bytes"] > 0 and (out["in_loop"]["ops"]["loops"] > 0) == (block == 2)
     assert set(out["roofline_tokens_per_s"]) == set(decode_report.CHIPS)

@@ -365,8 +365,10 @@ def decode_attention(
     `first_slot` - w + 1 (`first_slot`: min q_slot or less, an int or traced); without one at
     slot 0. The cache is read from there in whole blocks of `block_size` slots, then in blocks
     a quarter as long up to `end` (fewer than a quarter block is read past it: the cache's
-    slots there must hold finite values, as the rollout's zeros do until written), with an
-    online softmax: a running max, sum and float32 output per query, scores and sums in
+    slots there must hold finite values, as the rollout's zeros do until written); when the slots
+    from the first one read (0 when that is traced) to S fit one block of `block_size`, they
+    are read in one pass, no loop. Every
+    block goes through an online softmax: a running max, sum and float32 output per query, scores and sums in
     float32, the products taken with `preferred_element_type=float32`. No [.., S] score array
     is formed. The probabilities are cast to the values' dtype before their product with v, as
     in `attend_head_major`. A query that sees no key gets 0.
@@ -379,12 +381,10 @@ def decode_attention(
     s = k_BKSD.shape[2]
     q = q_BLKGD.transpose(0, 2, 3, 1, 4)  # [B, K, G, L, D]
     dt = v_BKSD.dtype
-    static = isinstance(end, int) and (window is None or isinstance(first_slot, int))
     start = 0
     if window is not None:
         lowest = first_slot - window + 1
         start = max(lowest, 0) if isinstance(lowest, int) else jnp.maximum(lowest, 0)
-    maximum = max if static else jnp.maximum
     big = min(block_size, s)
     small = max(big // 4, 1)
 
@@ -428,14 +428,18 @@ def decode_attention(
         def blocks(carry, blk, lo, n):
             """`n` blocks of `blk` slots from slot `lo` on."""
             fn = block(blk, lambda j: lo + j * blk)
-            if static:
+            if isinstance(n, int):
                 for j in range(n):
                     carry = fn(j, carry)
                 return carry
             return lax.fori_loop(0, n, fn, carry)
 
+        lo_read = lo if isinstance(lo, int) else 0
+        if s_seg - lo_read <= big:  # what is left fits one block: one pass, no loop
+            return block(s_seg - lo_read, lambda j: lo)(0, carry)
         # Whole blocks of `block_size` from `lo`, then the rest up to `hi` in blocks a quarter
         # as long: the slots read past `hi` are fewer than a quarter block.
+        maximum = max if isinstance(lo, int) and isinstance(hi, int) else jnp.maximum
         whole = maximum(hi - lo, 0) // seg_big
         carry = blocks(carry, seg_big, lo, whole)
         rest = lo + whole * seg_big
@@ -473,7 +477,8 @@ def decode_attention(
         )
         carry = tuple(by_row(x) for x in carry)
         lo = p
-    carry = segment(carry, q, k_BKSD, v_BKSD, key_valid_BS, q_slot_BL, maximum(start, lo), end)
+    lo = max(start, lo) if isinstance(start, int) else jnp.maximum(start, lo)
+    carry = segment(carry, q, k_BKSD, v_BKSD, key_valid_BS, q_slot_BL, lo, end)
     _, total, acc = carry
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(q_BLKGD.dtype).transpose(0, 3, 1, 2, 4)

@@ -224,10 +224,13 @@ def in_loop_cost(shape: Shape, fill: int, block: int) -> dict | None:
     except Exception:  # a client without the analysis (compile-only)
         return None
     total = {k: body.get(k, 0.0) for k in ("bytes accessed", "flops")}
-    # the attention's loops: whole blocks of `block`, then quarter blocks up to the fill
+    # the attention's loops over the rows' own slots (from P on when each prompt is read once
+    # for its group, else from 0): whole blocks of `block`, then quarter blocks up to the fill
+    # (none when those slots fit one block: they are read in one pass)
     big = min(block, shape.p + shape.r)
     small = max(big // 4, 1)
-    trips = {big: fill // big, small: -(-(fill % big) // small)}
+    seen = fill - (shape.p if shape.n > 1 else 0)
+    trips = {big: seen // big, small: -(-(seen % big) // small)}
     for inner in _loop_bodies(comps[decode[0]]):
         size = big if f",{big},{cfg.head_size}]" in comps[inner] else small
         extra = _module_cost(client, hlo, inner)
