@@ -1,5 +1,5 @@
 """Response buckets: the scoring and update forwards cost what their longest response needs, not
-the padded R (`model.response_buckets`).
+the padded R (`model.response_buckets`; a role's `jrl.batching.Batching.buckets`).
 
 Rows are ordered by the end of their response (last real position + 1; blocks of `group` rows,
 a GRPO group sharing its prompt, move together), so that each micro-batch holds responses of
@@ -22,8 +22,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-
-from jrl import microbatch
 
 PROMPT_KEYS = ("input_ids", "attention_mask")  # [rows, P]: never trimmed
 
@@ -69,7 +67,7 @@ def trimmed(fn: Callable, rows, sizes: tuple[int, ...]):
 
 
 def length_order(rows, k: int, group: int = 1) -> jax.Array:
-    """A row order under which `microbatch.split_rows(rows[order], k, group)` gives micro-batch i
+    """A row order under which `batching.split_rows(rows[order], k, group)` gives micro-batch i
     the i-th k-quantile of row blocks by response end (blocks of `group` rows move together)."""
     blocks = rows["response_mask"].shape[0] // group
     per_mb = blocks // k
@@ -78,32 +76,3 @@ def length_order(rows, k: int, group: int = 1) -> jax.Array:
     slot = jnp.arange(blocks)  # split_rows puts slot j in micro-batch j % k, place j // k
     block_order = by_end[(slot % k) * per_mb + slot // k]
     return (block_order[:, None] * group + jnp.arange(group)).reshape(-1)
-
-
-def _take(tree, order):
-    return jax.tree.map(lambda x: x[order], tree)
-
-
-def in_micro_batches(fn: Callable, rows, k: int, group: int, sizes: tuple[int, ...]):
-    """`microbatch.in_micro_batches` with each micro-batch `trimmed` to its bucket."""
-    if len(sizes) <= 1:
-        return microbatch.in_micro_batches(fn, rows, k, group)
-    order = length_order(rows, k, group)
-    out = microbatch.in_micro_batches(
-        lambda mb: trimmed(fn, mb, sizes), _take(rows, order), k, group
-    )
-    return _take(out, jnp.argsort(order))
-
-
-def accumulate_grads(
-    loss_fn: Callable, params, batch, k: int, *args, key=None, group: int = 1, sizes=(0,)
-):
-    """`microbatch.accumulate_grads` with each micro-batch's loss `trimmed` to its bucket."""
-    if len(sizes) <= 1:
-        return microbatch.accumulate_grads(loss_fn, params, batch, k, *args, key=key, group=group)
-
-    def loss(p, mb, *a, **kw):
-        return trimmed(lambda cut: loss_fn(p, cut, *a, **kw), mb, sizes)
-
-    batch = _take(batch, length_order(batch, k, group))
-    return microbatch.accumulate_grads(loss, params, batch, k, *args, key=key, group=group)

@@ -6,21 +6,19 @@ Alignment (docs/design.md#token-alignment, verl's convention): response position
 y_t; `log_prob[:, t]` is read from the logits at the position before y_t (the last prompt token
 for t = 0), and so is `values[:, t]` = V(prompt, y_<t).
 
-`prompt_group` says where the n rows of a GRPO group run their shared prompt once
-(`model.shared_prompt_forward`, `transformer.grouped_response_forward`).
+With `group` = n (`jrl.batching.prompt_groups` says where: model.shared_prompt_forward) the n
+rows of a GRPO group run their shared prompt once (`transformer.grouped_response_forward`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec
 
 from jrl import sharding
 from jrl.models import attention as attention_lib
 from jrl.models import transformer
-from jrl.models import lora as lora_lib
 
 
 def token_log_probs(
@@ -143,24 +141,3 @@ def grouped_forward_suits(model_cfg, length: int) -> bool:
         block_size=model_cfg.attention_block_size,
     )
     return model_cfg.remat == "none" and impl == "xla"
-
-
-def prompt_group(cfg: ml_collections.ConfigDict, micro: dict[str, int]) -> dict[str, int]:
-    """Rows per prompt that the forwards of "log_prob", "actor" and "critic" share
-    (`model.shared_prompt_forward`): n when it is on and every micro-batch of that forward
-    (`micro`: `jrl.microbatch.micro_batch_counts`) holds whole groups, else 1. In the update only
-    with one mini-batch per epoch (several are drawn row by row, as before: in the default demo,
-    mini-batches of whole groups learnt less) and without LoRA dropout (a mask per row, prompt
-    included)."""
-    n = cfg.rollout.n
-    prompts = {
-        "log_prob": cfg.data.train_batch_size,
-        "actor": cfg.actor.ppo_mini_batch_size,
-        "critic": cfg.actor.ppo_mini_batch_size,
-    }
-    on = cfg.model.shared_prompt_forward and n > 1
-    one_mini_batch = cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
-    update_ok = one_mini_batch and not lora_lib.lora_dropout_on(cfg)
-    suits = {"log_prob": True, "actor": update_ok, "critic": update_ok}
-    whole = lambda name: prompts[name] % micro[name] == 0
-    return {name: n if on and whole(name) and suits[name] else 1 for name in micro}

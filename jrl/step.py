@@ -14,9 +14,13 @@ chosen.
 The step is three phases, module-level functions of a `StepSpec` (the config's static choices,
 `make_spec`): `generate` (rollout + reward), `compute_advantages` (old / reference log-probs,
 values, KL in the reward, advantages), `update` (PPO epochs of mini-batch updates); `rl_step`
-chains them and `make_step` binds it to a spec. The forwards come from `jrl.logprobs`, the
-micro-batches from `jrl.microbatch`, a LoRA run's params from `jrl.models.lora`; what a variant
-needs (an estimator's inputs and critic) the step reads from its registry entry.
+chains them and `make_step` binds it to a spec. Read top to bottom: the spec, then each phase
+and the functions only it uses, then the fused step. What the phases build on has its own home:
+the train state and optimizers (`jrl.train_state`), the forwards (`jrl.logprobs`) and how they
+run over rows (`jrl.batching`: micro-batches, shared prompts, buckets), reward shaping and DAPO's
+dynamic sampling (`jrl.shaping`), the NaN guard (`jrl.nan_guard`), the batch's metrics
+(`jrl.step_metrics`), a LoRA run's params (`jrl.models.lora`); what a variant needs (an
+estimator's inputs and critic) the step reads from its registry entry.
 
 With a tool host (`StepSpec.tool_host`, rollout.multi_turn.enable) the rollout is multi-turn
 (`jrl.multi_turn`): tool tokens sit in the response with `response_mask` 0 and
@@ -30,50 +34,23 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jrl import buckets, logprobs, microbatch, multi_turn, rollout
+from jrl import batching, logprobs, multi_turn, nan_guard, rollout, shaping, step_metrics
 from jrl.algos import advantages as adv_lib
-from jrl.algos import group_ppo as group_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
 from jrl.algos import rollout_corr
 from jrl.models import transformer
 from jrl.models import lora as lora_lib
-from jrl.models.lora import init_lora, lora_on, policy_params, reference_params, with_base
-from jrl.tools.metrics import multi_turn_metrics
+from jrl.models.lora import lora_on, policy_params, reference_params, with_base
+from jrl.train_state import TrainState, needs_critic, needs_reference, policy_optimizer
+from jrl.train_state import learning_rates, make_optimizer, model_configs
 
 Batch = dict[str, jax.Array]
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Everything that changes across steps (so a checkpoint of it resumes a run exactly)."""
-
-    step: jax.Array  # int32 scalar: RL steps taken
-    params: Any  # policy parameters (with the value head when the critic shares the backbone)
-    opt_state: Any  # policy optimizer state (`policy_optimizer`: a shared value head's too)
-    critic_params: Any  # separate critic (None without a critic or with a shared backbone)
-    critic_opt_state: Any  # its optimizer state (None likewise)
-    ref_params: Any  # frozen reference policy (None when neither KL loss nor KL reward is
-    # used); with LoRA the frozen base, which is also the reference (adapters off)
-    kl_coef: jax.Array  # float32 scalar: beta of KL-in-reward (its controller's state)
-    group_threshold: jax.Array  # float32 scalar: GROUP-PPO's adaptive threshold tau
-    skipped_steps: jax.Array  # int32 scalar: steps not applied because something was not finite
-    key: jax.Array  # PRNG key
-
-
-def needs_reference(cfg: ml_collections.ConfigDict) -> bool:
-    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def needs_critic(cfg: ml_collections.ConfigDict) -> bool:
-    """Whether the estimator's registry entry trains a critic (gae, group_ppo)."""
-    return adv_lib.trains_critic(cfg.algorithm.adv_estimator)
 
 
 def bypass_mode(cfg: ml_collections.ConfigDict) -> bool:
@@ -104,151 +81,6 @@ def on_policy_update(cfg: ml_collections.ConfigDict) -> bool:
     )
 
 
-def model_configs(cfg, model_cfg: transformer.ModelConfig):
-    """(policy model config, separate critic model config or None). With
-    `critic.share_backbone` the policy network carries the value head itself."""
-    if not needs_critic(cfg):
-        return model_cfg, None
-    if cfg.critic.share_backbone:
-        return dataclasses.replace(model_cfg, value_head=True), None
-    return model_cfg, dataclasses.replace(model_cfg, lm_head=False, value_head=True)
-
-
-def _adamw(opt_cfg, lr_schedule_fn) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(opt_cfg.grad_clip),
-        optax.adamw(
-            lr_schedule_fn,
-            b1=opt_cfg.betas[0],
-            b2=opt_cfg.betas[1],
-            weight_decay=opt_cfg.weight_decay,
-        ),
-    )
-
-
-def lr_schedule(opt_cfg) -> optax.Schedule:
-    """Learning rate per optimizer update: linear warm-up over `lr_warmup_steps`, then constant."""
-    if opt_cfg.lr_warmup_steps <= 0:
-        return optax.constant_schedule(opt_cfg.lr)
-    return optax.linear_schedule(0.0, opt_cfg.lr, opt_cfg.lr_warmup_steps)
-
-
-def make_optimizer(opt_cfg) -> optax.GradientTransformation:
-    """AdamW with linear warm-up to a constant rate and global-norm clipping (verl's defaults);
-    `opt_cfg` is the `actor` or the `critic` section."""
-    return _adamw(opt_cfg, lr_schedule(opt_cfg))
-
-
-def policy_optimizer(cfg) -> optax.GradientTransformation:
-    """The optimizer of `TrainState.params`: `make_optimizer(cfg.actor)`; with a value head on the
-    policy's backbone (critic.share_backbone) the head (`lora.HEAD_KEYS`) trains with the critic's
-    settings (critic.lr and its warm-up, betas, weight decay, grad_clip of the head's own
-    gradient), the rest with the actor's (`optax.partition`)."""
-    actor = make_optimizer(cfg.actor)
-    if not (needs_critic(cfg) and cfg.critic.share_backbone):
-        return actor
-    label = lambda params: {k: "critic" if k in lora_lib.HEAD_KEYS else "actor" for k in params}
-    return optax.partition({"actor": actor, "critic": make_optimizer(cfg.critic)}, label)
-
-
-def init_state(cfg, model_cfg: transformer.ModelConfig, params, key) -> TrainState:
-    """The first train state. `model_cfg` and `params` are the policy's (see `model_configs`); a
-    separate critic starts from the policy's weights plus a fresh value head."""
-    _, critic_cfg = model_configs(cfg, model_cfg)
-    key, key_critic = jax.random.split(key)
-    critic_params = critic_opt_state = None
-    if lora_on(cfg):
-        params, critic_params, ref = init_lora(cfg, critic_cfg, params, key_critic)
-    else:
-        if critic_cfg is not None:
-            head = transformer.init_params(critic_cfg, key_critic)
-            critic_params = {k: params.get(k, v) for k, v in head.items()}  # backbone from policy
-            critic_params = jax.tree_util.tree_map(jnp.copy, critic_params)
-        ref = jax.tree_util.tree_map(jnp.copy, params) if needs_reference(cfg) else None
-    if critic_params is not None:
-        critic_opt_state = make_optimizer(cfg.critic).init(critic_params)
-    return TrainState(
-        step=jnp.int32(0),
-        params=params,
-        opt_state=policy_optimizer(cfg).init(params),
-        critic_params=critic_params,
-        critic_opt_state=critic_opt_state,
-        ref_params=ref,
-        kl_coef=jnp.float32(cfg.algorithm.kl_ctrl.kl_coef),
-        group_threshold=group_lib.init_threshold(cfg.algorithm),
-        skipped_steps=jnp.int32(0),
-        key=key,
-    )
-
-
-def last_token_scores(scores_B, response_mask_BR):
-    """token_level_scores [B, R]: the sequence score placed on the last response token whose mask
-    is 1 (the last model token of a multi-turn row, whose mask has holes at tool tokens; the
-    last valid token of a one-turn row). A row without one gets none."""
-    r = response_mask_BR.shape[1]
-    last = r - 1 - jnp.argmax(response_mask_BR[:, ::-1] > 0, axis=-1)
-    last = jnp.where(jnp.any(response_mask_BR > 0, -1), last, -1)  # one_hot(-1): all zeros
-    return jax.nn.one_hot(last, r, dtype=jnp.float32) * scores_B[:, None]
-
-
-def final_turn_mask(response_mask_BR, valid_BR):
-    """[B, R] int32: what a reward reads of a multi-turn response, the model's final turn: its
-    model tokens (`response_mask` 1) after the last tool token (`valid` 1, `response_mask` 0);
-    the whole response of a row that called no tool (`response_mask` itself in a one-turn
-    rollout, where valid = response_mask). A tool's answer is never read as the
-    model's words (a policy would learn to let the tool state its answer)."""
-    r = response_mask_BR.shape[1]
-    tool = (valid_BR > 0) & (response_mask_BR == 0)
-    last_tool = jnp.max(jnp.where(tool, jnp.arange(r)[None], -1), axis=-1, keepdims=True)
-    return ((response_mask_BR > 0) & (jnp.arange(r)[None] > last_tool)).astype(jnp.int32)
-
-
-def overlong_penalty(length_B, max_new_tokens: int, buffer_len: int, penalty_factor: float):
-    """DAPO's soft overlong punishment: 0 up to R - buffer_len tokens, then falling linearly to
-    -penalty_factor at R: min(-(len - (R - buffer_len)) / buffer_len * factor, 0)."""
-    exceed = length_B.astype(jnp.float32) - (max_new_tokens - buffer_len)
-    return jnp.minimum(-exceed / buffer_len * penalty_factor, 0.0)
-
-
-def group_has_signal(scores_B, n: int):
-    """[B / n] bool: the group's scores are not all equal (DAPO dynamic sampling keeps these)."""
-    g = scores_B.reshape(-1, n)
-    return jnp.max(g, -1) > jnp.min(g, -1)
-
-
-def _stats(name, x, mask=None):
-    """verl-style mean / max / min of x over valid entries."""
-    if mask is None:
-        mask = jnp.ones_like(x)
-    mask = mask.astype(bool)
-    big = jnp.finfo(jnp.float32).max
-    return {
-        f"{name}/mean": jnp.sum(jnp.where(mask, x, 0)) / jnp.maximum(jnp.sum(mask), 1),
-        f"{name}/max": jnp.max(jnp.where(mask, x, -big)),
-        f"{name}/min": jnp.min(jnp.where(mask, x, big)),
-    }
-
-
-def _select(pred, on_true, on_false):
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def all_finite(metrics: dict) -> jax.Array:
-    """Whether every quantity of GUARDED_METRICS present in `metrics` is finite (bool scalar)."""
-    return jnp.all(jnp.stack([jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics]))
-
-
-# Quantities whose non-finite value makes the NaN guard skip a step (in this order of blame).
-GUARDED_METRICS = (
-    "critic/score/mean",
-    "critic/advantages/mean",
-    "actor/pg_loss",
-    "actor/grad_norm",
-    "critic/vf_loss",
-    "critic/grad_norm",
-)
-
-
 def prompts_per_step(cfg: ml_collections.ConfigDict) -> int:
     """Prompts the host feeds one step: B_p, or a pool of max_num_gen_batches * B_p under DAPO's
     dynamic sampling (each generation round draws fresh prompts from it)."""
@@ -271,10 +103,9 @@ class StepSpec:
     pad_id: int
     max_new_tokens: int
     stop_ids: tuple[int, ...]  # more tokens that end a response as EOS does (rollout.stop)
-    # micro-batch counts of "log_prob", "actor", "critic" (`microbatch.micro_batch_counts`)
-    micro: dict
-    # rows per prompt that the forwards share (`logprobs.prompt_group`): n, or 1, per forward
-    group: dict
+    # how each forward runs over its rows, by role ("log_prob", "actor", "critic"): micro-batches,
+    # shared-prompt groups, response buckets (`batching.plan`)
+    batching: dict
     policy_loss: Callable  # (old_log_prob, log_prob, advantages, mask, *, counts, ...) -> loss, m
     estimator: Callable  # (token_level_rewards=, response_mask=, index=, ...) -> advantages, ...
     kl_controller: Callable  # (kl_coef, current_kl, n_steps) -> next kl_coef
@@ -289,8 +120,6 @@ class StepSpec:
     # the benchmark's fixed response length of each of the B rows (`rollout.generate`'s
     # `forced_length`); None (every run): the policy decides where EOS falls
     forced_length: tuple[int, ...] | None = None
-    # the response lengths the forwards are trimmed to (`buckets.bucket_sizes`); (R,): no trim
-    buckets: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
@@ -337,7 +166,6 @@ def make_spec(
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
     sizes divide; `tool_host`: the multi-turn host (`jrl.run.trainer.sampling_ids` builds it
     when rollout.multi_turn.enable), None for one-turn rollouts."""
-    micro = microbatch.micro_batch_counts(cfg, mesh)
     return StepSpec(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -347,8 +175,7 @@ def make_spec(
         pad_id=pad_id,
         max_new_tokens=max_new_tokens,
         stop_ids=tuple(stop_ids),
-        micro=micro,
-        group=logprobs.prompt_group(cfg, micro),
+        batching=batching.plan(cfg, mesh, max_new_tokens),
         policy_loss=losses.make_policy_loss(cfg.actor, cfg.algorithm.rollout_correction),
         estimator=adv_lib.make_estimator(cfg.algorithm),
         kl_controller=kl_lib.make_kl_controller(cfg.algorithm),
@@ -357,7 +184,6 @@ def make_spec(
         tool_host=tool_host,
         stop_strings=stop_strings,
         forced_length=None if forced_length is None else tuple(int(x) for x in forced_length),
-        buckets=buckets.bucket_sizes(cfg.model.response_buckets, max_new_tokens),
     )
 
 
@@ -395,7 +221,7 @@ def sample_and_score(model_cfg, reward_fn, params, prompts: Batch, key, *, sampl
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, samples, axis=0), prompts)
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     out, valid = sample_responses(model_cfg, params, ids, mask, key, samples=samples, **sampling)
-    read = final_turn_mask(out.response_mask, valid)
+    read = shaping.final_turn_mask(out.response_mask, valid)
     return out, valid, reward_fn(rows, out.response_ids, read, eos_id=sampling["eos_id"])
 
 
@@ -435,14 +261,14 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         )
     if multi or cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs
         exp["rollout_log_prob"] = out.log_probs
-    read = final_turn_mask(out.response_mask, valid)
+    read = shaping.final_turn_mask(out.response_mask, valid)
     acc = spec.reward_fn(exp, out.response_ids, read, eos_id=spec.eos_id)
     scores, overlong = acc, cfg.reward.overlong_buffer
     if multi:
         scores = scores + out.tool_reward
     if overlong.enable:
         length = jnp.sum(valid, -1)
-        scores = scores + overlong_penalty(
+        scores = scores + shaping.overlong_penalty(
             length, spec.max_new_tokens, overlong.len, overlong.penalty_factor
         )
     if spec.needs("reward_baselines") and not greedy:  # ReMax: a greedy answer's reward,
@@ -452,46 +278,14 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
     return {**exp, "acc": acc, "scores": scores}
 
 
-def dynamic_sampling(spec: StepSpec, params, pool: Batch, key):
-    """DAPO: keep groups whose scores differ; draw fresh prompts from the pool until B_p such
-    groups are found or the pool's max_num_gen_batches rounds are used (`lax.while_loop`). Slots
-    still empty at the end hold groups without signal from the first round (advantages 0)."""
-    filter_groups, n, b_p = spec.cfg.algorithm.filter_groups, spec.n, spec.cfg.data.train_batch_size
-    rounds = filter_groups.max_num_gen_batches
-    chunks = jax.tree_util.tree_map(lambda x: x.reshape(rounds, b_p, *x.shape[1:]), pool)
-    take = lambda i: jax.tree_util.tree_map(lambda x: x[i], chunks)
-    metric = {"acc": "acc", "score": "scores"}[filter_groups.metric]  # verl's names -> exp's keys
-    signal = lambda e: group_has_signal(e[metric], n)
-
-    first = rollout_and_reward(spec, params, take(0), jax.random.fold_in(key, 0))
-    keep = signal(first)
-    order = jnp.argsort(~keep, stable=True)  # groups with signal first
-    rows = (order[:, None] * n + jnp.arange(n)).reshape(-1)
-    buf = jax.tree_util.tree_map(lambda x: x[rows], first)
-
-    def cond(carry):
-        i, filled, _ = carry
-        return (i < rounds) & (filled < b_p)
-
-    def body(carry):
-        i, filled, buf = carry
-        new = rollout_and_reward(spec, params, take(i), jax.random.fold_in(key, i))
-        keep = signal(new)
-        dest = jnp.where(keep, filled + jnp.cumsum(keep) - 1, b_p)  # b_p: dropped
-        dest_rows = (dest[:, None] * n + jnp.arange(n)).reshape(-1)
-        buf = jax.tree_util.tree_map(lambda b, x: b.at[dest_rows].set(x, mode="drop"), buf, new)
-        return i + 1, jnp.minimum(filled + jnp.sum(keep), b_p), buf
-
-    i, filled, buf = jax.lax.while_loop(cond, body, (jnp.int32(1), jnp.sum(keep), buf))
-    return buf, {"training/num_gen_batches": i, "training/filled_groups_ratio": filled / b_p}
-
-
 def generate(spec: StepSpec, state: TrainState, prompts: Batch, key):
     """Phase 1 (see above)."""
-    params = policy_params(spec.cfg, state)
-    if spec.cfg.algorithm.filter_groups.enable:
-        return dynamic_sampling(spec, params, prompts, key)
-    return rollout_and_reward(spec, params, prompts, key), {}
+    cfg, params = spec.cfg, policy_params(spec.cfg, state)
+    sample = lambda prompts, key: rollout_and_reward(spec, params, prompts, key)
+    if cfg.algorithm.filter_groups.enable:  # DAPO: rounds of fresh prompts from the pool
+        filter_groups, b_p = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+        return shaping.dynamic_sampling(sample, prompts, key, spec.n, filter_groups, b_p)
+    return sample(prompts, key), {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +298,7 @@ def generate(spec: StepSpec, state: TrainState, prompts: Batch, key):
 def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs):
     """`response_outputs` of `rows` (prompt + response) at the rollout's temperature; the
     entropy, when asked for, has a gradient only if the loss uses it (entropy_coeff != 0).
-    `name`: "log_prob", "actor" or "critic", whose `spec.group` applies."""
+    `name`: "log_prob", "actor" or "critic", the role whose prompt groups apply."""
     return logprobs.response_outputs(
         model_cfg,
         params,
@@ -514,7 +308,7 @@ def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs
         rows.get("response_valid", rows["response_mask"]),  # tool tokens are attended
         spec.cfg.rollout.temperature,
         entropy_grad=spec.cfg.actor.entropy_coeff != 0,
-        group=spec.group[name],
+        group=spec.batching[name].group,
         **outputs,
     )
 
@@ -548,8 +342,7 @@ def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     names = ("input_ids", "attention_mask", "response_ids", "response_mask", "response_valid")
     rows = {k: exp[k] for k in names if k in exp}
     score = lambda r: score_forwards(spec, state, r)
-    micro, group = spec.micro["log_prob"], spec.group["log_prob"]
-    scored = buckets.in_micro_batches(score, rows, micro, group, spec.buckets)
+    scored = batching.in_micro_batches(score, rows, spec.batching["log_prob"])
     exp = {**exp, **jax.lax.stop_gradient(scored)}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
@@ -570,7 +363,7 @@ def estimate_advantages(spec: StepSpec, state: TrainState, exp: Batch):
     mask = exp["response_mask"]
     b = mask.shape[0]
     metrics = {}
-    token_level_scores = last_token_scores(exp["scores"], mask)
+    token_level_scores = shaping.last_token_scores(exp["scores"], mask)
     token_level_rewards, kl_coef = token_level_scores, state.kl_coef
     if algo.use_kl_in_reward:
         token_level_rewards, kl_metrics = kl_lib.apply_kl_penalty(
@@ -702,15 +495,6 @@ def mini_batch_counts(spec: StepSpec, mb: Batch) -> dict:
     return counts
 
 
-def apply_grads(tx, grads, params, opt_state, apply):
-    """(params, opt_state) after one optimizer update with `grads`, or unchanged where `apply`
-    (a bool scalar, or None: always) is False: a select fused into the elementwise update, so
-    no second copy of the state."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new = (optax.apply_updates(params, updates), new_opt_state)
-    return new if apply is None else _select(apply, new, (params, opt_state))
-
-
 def update_minibatch(spec: StepSpec, carry, xs):
     """One optimizer update of the policy (and the critic) on a mini-batch `xs` = (rows, key).
     carry = (state, actor_on, ok): the policy is updated only if `actor_on` (past
@@ -724,10 +508,8 @@ def update_minibatch(spec: StepSpec, carry, xs):
     base = state.ref_params if lora_on(spec.cfg) else None
 
     def grads_of(role, loss_fn, params, *args, key):  # summed over the role's micro-batches
-        k, group, sizes = spec.micro[role], spec.group[role], spec.buckets
-        return buckets.accumulate_grads(
-            loss_fn, params, mb, k, spec, counts, base, *args, key=key, group=group, sizes=sizes
-        )
+        b = spec.batching[role]
+        return batching.accumulate_grads(loss_fn, params, mb, b, spec, counts, base, *args, key=key)
 
     grads, metrics = grads_of("actor", actor_loss, state.params, actor_on, key=actor_key)
     metrics["actor/grad_norm"] = optax.tree.norm(grads)
@@ -739,15 +521,17 @@ def update_minibatch(spec: StepSpec, carry, xs):
         critic_metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
         metrics.update(critic_metrics)
     if ok is not None:
-        ok = ok & all_finite(metrics)
+        ok = ok & nan_guard.all_finite(metrics)
     apply_actor = ok
     # a shared backbone trains through the value loss during warm-up (its pg loss is zeroed)
     if spec.cfg.critic.critic_warmup > 0 and not spec.shared:
         apply_actor = actor_on if ok is None else ok & actor_on
-    params, opt_state = apply_grads(spec.tx, grads, state.params, state.opt_state, apply_actor)
+    params, opt_state = nan_guard.apply_grads(
+        spec.tx, grads, state.params, state.opt_state, apply_actor
+    )
     state = state.replace(params=params, opt_state=opt_state)
     if critic_grads is not None:
-        critic_params, critic_opt_state = apply_grads(
+        critic_params, critic_opt_state = nan_guard.apply_grads(
             spec.critic_tx, critic_grads, state.critic_params, state.critic_opt_state, ok
         )
         state = state.replace(critic_params=critic_params, critic_opt_state=critic_opt_state)
@@ -770,9 +554,10 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     num_mb = b // mb_rows
     actor_on = state.step >= cfg.critic.critic_warmup
 
-    # Mini-batches of rows drawn at random; but a shared-prompt update (`prompt_group`) has one
-    # mini-batch, whose row order changes nothing but the summation: rollout order, group by group.
-    grouped = spec.group["actor"] > 1 or spec.group["critic"] > 1
+    # Mini-batches of rows drawn at random; but a shared-prompt update (`batching.prompt_groups`)
+    # has one mini-batch, whose row order changes nothing but the summation: rollout order, group
+    # by group.
+    grouped = spec.batching["actor"].group > 1 or spec.batching["critic"].group > 1
 
     def epoch(carry, key):
         perm = jnp.arange(b) if grouped else jax.random.permutation(key, b)
@@ -798,79 +583,25 @@ def make_phases(*args, **kwargs):
 # The fused step.
 
 
-def schedule_count(opt_state) -> jax.Array:
-    """Optimizer updates applied so far: the count of the learning-rate schedule's state (it
-    does not advance on an update the NaN guard or critic warm-up left out)."""
-    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)
-    (found,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(s)]
-    return found.count
-
-
 def rl_step(spec: StepSpec, state: TrainState, prompts: Batch):
     """One RL step: (state, prompts) -> (next state, metrics); see `make_step`."""
-    cfg = spec.cfg
     key, k_roll, k_shuffle = jax.random.split(state.key, 3)
     exp, metrics = generate(spec, state, prompts, k_roll)
     exp, adv_metrics, scored_state = compute_advantages(spec, state, exp)
     metrics.update(adv_metrics)
-    metrics.update(experience_metrics(exp, spec.max_new_tokens))
+    metrics.update(step_metrics.experience_metrics(exp, spec.max_new_tokens))
     # NaN / Inf guard: no update is applied when the reward or advantages are not finite,
     # nor from the first mini-batch whose loss or gradient is not finite on (`update`).
-    guard = all_finite(metrics) if cfg.nan_guard.enable else None
+    guard = nan_guard.all_finite(metrics) if spec.cfg.nan_guard.enable else None
     new_state, update_metrics = update(spec, scored_state, exp, k_shuffle, guard)
     metrics.update(update_metrics)
-    # the learning rate of this step's first update (the optimizers' own counts); a shared
-    # backbone's optimizer holds both, the value head's with critic.* (`policy_optimizer`)
-    actor_opt, critic_opt = state.opt_state, state.critic_opt_state
-    if spec.shared:
-        actor_opt, critic_opt = (state.opt_state.inner_states[k] for k in ("actor", "critic"))
-    metrics["actor/lr"] = lr_schedule(cfg.actor)(schedule_count(actor_opt))
-    if "values" in exp:
-        metrics["critic/lr"] = lr_schedule(cfg.critic)(schedule_count(critic_opt))
-    finite = {k: jnp.isfinite(metrics[k]) for k in GUARDED_METRICS if k in metrics}
-    ok = jnp.all(jnp.stack(list(finite.values())))
-    if cfg.nan_guard.enable:  # a skipped step keeps its KL coefficient and GROUP-PPO tau
-        new_state = new_state.replace(
-            kl_coef=jnp.where(ok, new_state.kl_coef, state.kl_coef),
-            group_threshold=jnp.where(ok, new_state.group_threshold, state.group_threshold),
-        )
-    metrics.update({f"training/finite/{k}": v.astype(jnp.int32) for k, v in finite.items()})
-    metrics["training/step_skipped"] = (~ok).astype(jnp.int32)
-    skipped = state.skipped_steps + (~ok).astype(jnp.int32)
-    metrics["training/skipped_steps"] = skipped
-    return new_state.replace(step=state.step + 1, skipped_steps=skipped, key=key), metrics
+    # the learning rates of this step's first update
+    metrics.update(learning_rates(spec.cfg, state, spec.shared, "values" in exp))
+    new_state, metrics = nan_guard.settle(spec.cfg, state, new_state, metrics)
+    return new_state.replace(step=state.step + 1, key=key), metrics
 
 
 def make_step(*args, **kwargs):
     """`step(state, prompts) -> (state, metrics)`, one function for `jax.jit`; `prompts` holds
     `prompts_per_step(cfg)` rows of the task batch. The arguments are `make_spec`'s."""
     return functools.partial(rl_step, make_spec(*args, **kwargs))
-
-
-def experience_metrics(exp: Batch, max_new_tokens: int) -> dict[str, jax.Array]:
-    """verl's data metrics of a scored batch: scores, rewards, advantages, returns, values,
-    lengths; and a multi-turn batch's turns and tool calls (`multi_turn_metrics`). Lengths count
-    every response token, tool tokens included (verl's, from the attention mask); rewards are
-    each row's sum; advantages, returns and values are over model tokens left after rollout
-    correction's rejection (`policy_mask`; verl's response_mask at that point)."""
-    mask = exp["response_mask"]
-    kept = exp.get("policy_mask", mask)
-    length = jnp.sum(exp.get("response_valid", mask), -1)
-    prompt_length = jnp.sum(exp["attention_mask"], -1)
-    metrics = {}
-    metrics.update(_stats("critic/score", exp["scores"]))
-    metrics.update(_stats("critic/rewards", jnp.sum(exp["token_level_rewards"] * mask, -1)))
-    metrics.update(_stats("critic/advantages", exp["advantages"], kept))
-    metrics.update(_stats("critic/returns", exp["returns"], kept))
-    if "values" in exp:
-        metrics.update(_stats("critic/values", exp["values"], kept))
-        metrics["critic/vf_explained_var"] = group_lib.explained_variance(
-            exp["returns"], exp["values"], kept
-        )
-    metrics.update(_stats("response_length", length.astype(jnp.float32)))
-    metrics.update(_stats("prompt_length", prompt_length.astype(jnp.float32)))
-    metrics["response_length/clip_ratio"] = jnp.mean(length >= max_new_tokens)
-    metrics["perf/total_num_tokens"] = jnp.sum(length) + jnp.sum(prompt_length)
-    if "tool_stats" in exp:
-        metrics.update(multi_turn_metrics(exp["tool_stats"], exp["assistant_turns"], length))
-    return metrics

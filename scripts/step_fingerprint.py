@@ -7,10 +7,11 @@ code's shape changed nothing it computes:
 
 For each config it runs `python -m jrl.train` in the current directory (so the jrl found there
 is the one measured: another checkout's, with this script given by path), with the `tiny` preset,
-1-digit problems and a supervised warm-up of up to 300 steps at lr 1e-2 (to 30% accuracy, so
-that rewards, and hence advantages and updates, are not all zero), then prints every metric of every step except the timings (with
-`repr` floats: bitwise), and a SHA-256 of each array of the final train state (parameters,
-optimizer states, critic, PRNG key) read back from the checkpoint with orbax.
+1-digit problems (tool_math: 2) and a supervised warm-up of up to 300 steps at lr 1e-2 (to the
+config's target accuracy, so that rewards, and hence advantages and updates, are not all zero),
+then prints every metric of every step except the timings (`repr` floats: bitwise), and a
+SHA-256 of each array of the final train state (parameters, optimizer states, critic, PRNG key)
+read back from the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ CONFIGS = {
     "lora": "configs/grpo_math.py:tiny,lora",
     "tool_math": "configs/tool_math.py:tiny",
 }
-OVERRIDES = ("--config.task.num_digits=1", "--config.warmup.sft_steps=300", "--config.warmup.sft_lr=1e-2")
+WARM_UP = ("--config.warmup.sft_steps=300", "--config.warmup.sft_lr=1e-2")
+# tool_math keeps its 2-digit problems: at 1 digit its response budget holds no tool answer
+OVERRIDES = {name: ("--config.task.num_digits=1", *WARM_UP) for name in CONFIGS}
+OVERRIDES["tool_math"] = WARM_UP
 TIMINGS = ("timing_s/", "perf/throughput", "perf/time_per_step", "tokens_per_s")
 
 HASH_STATE = """
@@ -53,13 +57,13 @@ def fingerprint(name: str, spec: str, steps: int) -> list[str]:
             "jrl.train",
             f"--config={spec}",
             f"--config.total_steps={steps}",
-            *OVERRIDES,
+            *OVERRIDES[name],
             f"--workdir={workdir}",
         ]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode:
             return [f"{name}: exit {run.returncode}: {run.stderr.strip().splitlines()[-1:]}"]
-        lines = [f"== {name} ({spec} {' '.join(OVERRIDES)}, {steps} steps)"]
+        lines = [f"== {name} ({spec} {' '.join(OVERRIDES[name])}, {steps} steps)"]
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             for record in map(json.loads, f):
                 kept = {k: v for k, v in record.items() if not k.startswith(TIMINGS)}

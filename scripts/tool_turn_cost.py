@@ -24,6 +24,7 @@ import jax
 
 from jrl import config as config_lib
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.run import checkpoint, trainer
 
 
@@ -41,7 +42,7 @@ def main(workdir: str, steps: int) -> None:
     for name, cfg in variants(workdir).items():
         tok, task, reward_fn, model_cfg = trainer.build(cfg)
         params, _ = checkpoint.restore_params(workdir, cfg, model_cfg)
-        state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+        state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
         ids = trainer.sampling_ids(tok, task, cfg)
         step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids))
         size = step_lib.prompts_per_step(cfg)

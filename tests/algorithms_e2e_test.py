@@ -9,6 +9,7 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.run import trainer
 from jrl.algos import advantages, losses
 from configs import dapo_math, group_ppo_math, ppo_math
@@ -31,7 +32,7 @@ def _small(cfg):
 def _run_three_steps(cfg):
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     traces = []
     inner = step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import buckets, microbatch
+from jrl import batching, buckets
 from conftest import assert_same_run, run_steps, tiny_config
 
 
@@ -29,7 +29,7 @@ def test_length_order_gives_each_micro_batch_a_quantile_of_lengths():
     ends = np.array([7, 7, 1, 0, 3, 1, 2, 2])
     mask = (np.arange(8)[None] < ends[:, None]).astype(np.int32)
     order = buckets.length_order({"response_mask": jnp.asarray(mask)}, 2, group=2)
-    split = microbatch.split_rows(jnp.asarray(ends)[order], 2, group=2)
+    split = batching.split_rows(jnp.asarray(ends)[order], 2, group=2)
     np.testing.assert_array_equal(split, [[1, 0, 2, 2], [3, 1, 7, 7]])
 
 

@@ -119,7 +119,7 @@ def test_stale_reference_of_a_run_without_checkpoints_is_replaced(tmp_path):
 
 def test_real_train_state_round_trip(tmp_path):
     from jrl import config as config_lib
-    from jrl import step as step_lib
+    from jrl import train_state
     from jrl.models import transformer
 
     cfg = config_lib.base_config()
@@ -133,11 +133,11 @@ def test_real_train_state_round_trip(tmp_path):
         intermediate_size=16,
     )
     params = make_state(seed=5).params  # small stand-in params: the model's init is slow on CPU
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     assert state.ref_params is not None
     with checkpointer(tmp_path) as ck:
         ck.save(5, state, {"next_batch": 5})
-    init = lambda: step_lib.init_state(cfg, model_cfg, params, jax.random.key(9))
+    init = lambda: train_state.init_state(cfg, model_cfg, params, jax.random.key(9))
     with checkpointer(tmp_path) as ck:
         restored, extra, step = ck.restore_latest(jax.eval_shape(init))
     assert (step, extra) == (5, {"next_batch": 5})

@@ -89,6 +89,8 @@ def run_steps(cfg, steps: int, **step_kwargs):
     import jax
 
     from jrl import step as step_lib
+
+    from jrl import train_state
     from jrl.models import transformer
     from jrl.run import trainer
 
@@ -96,7 +98,7 @@ def run_steps(cfg, steps: int, **step_kwargs):
     ids = trainer.sampling_ids(tok, task)
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids, **step_kwargs))
     key = jax.random.key(0)
-    state = step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
+    state = train_state.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
     metrics = []
     for i in range(steps):
         state, m = step(state, task.train_batch(i, cfg.data.train_batch_size))

@@ -563,9 +563,10 @@ def test_hostile_calls_in_the_fused_step(guard):
     host = mt.Recorder(make_tool_host(cfg, tok, max_response_length=r))
     ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=r, tool_host=host)
     from jrl import step as step_lib
+    from jrl import train_state
     from jrl.run import trainer
 
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     step = jax.jit(step_lib.make_step(cfg, model_cfg, mt.scripted_reward, **ids))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     body_ids = {tok.convert_tokens_to_ids(b): name for name, b in bodies.items()}

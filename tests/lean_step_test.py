@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from jrl import step as step_lib
+
+from jrl import train_state
 from jrl.run import trainer
 from jrl.models import transformer as tfm
 from conftest import COMPILE_FLAGS, REPO, assert_same_run, run_steps, tiny_config
@@ -94,7 +96,7 @@ def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
     task, model_cfg, (generate, score, update) = _phases(plain_cfg)
     _, _, (_, micro_score, micro_update) = _phases(micro_cfg)
     key = jax.random.key(0)
-    state = step_lib.init_state(plain_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    state = train_state.init_state(plain_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
     batch = task.train_batch(0, 4)
     exp, _ = jax.jit(generate)(state, batch, key)
     scored, _, _ = jax.jit(score)(state, exp)
@@ -202,7 +204,7 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
         tok, task, reward_fn, model_cfg = trainer.build(cfg)
         phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
         key = jax.random.key(0)
-        state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+        state = train_state.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
         exp, _ = jax.jit(phases[0])(state, task.train_batch(0, 4), key)
         scored, _, _ = jax.jit(phases[1])(state, exp)
         assert ("old_log_prob" in scored) != shortcut

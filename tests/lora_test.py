@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl import config as config_lib
-from jrl import rollout
+from jrl import nan_guard, rollout, train_state
 from jrl.run import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
@@ -181,7 +181,7 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     params = tfm.init_params(model_cfg, jax.random.key(0))
     want_base = jax.tree.map(np.asarray, params)
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task)
     traces = []
     fused = step_lib.make_step(cfg, model_cfg, reward_fn, **ids)
@@ -223,7 +223,7 @@ def test_dropout_changes_the_update_only():
     cfg = _grpo_lora_cfg()
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     ids = trainer.sampling_ids(tok, task)
-    state = step_lib.init_state(
+    state = train_state.init_state(
         cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     state = state.replace(params=_moved(state.params, jax.random.key(3)))
@@ -275,7 +275,7 @@ def test_dropout_keeps_the_ratio_and_clipping_on_in_a_one_epoch_update():
     assert not step_lib.on_policy_update(cfg)
     tok, task, _, model_cfg = trainer.build(cfg)
     params = tfm.init_params(model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     state = state.replace(params=_moved(state.params, jax.random.key(3)))
 
     def parity_reward(batch, response_ids, response_mask, *, eos_id):  # groups' rewards differ
@@ -429,7 +429,6 @@ def test_value_heads_train_in_float32_over_a_bfloat16_base(shared):
     full, on a separate critic or on the policy's backbone) has float32 master weights: one
     optimizer update at a verl-like critic rate (1e-5, Adam's first step is lr * sign(g)) moves
     every entry of it, where bfloat16 storage keeps entries whose step is under half an ulp."""
-    from jrl import step as step_lib
     from jrl.run import trainer
 
     cfg = tiny_config(
@@ -443,18 +442,18 @@ def test_value_heads_train_in_float32_over_a_bfloat16_base(shared):
     )
     _, _, _, model_cfg = trainer.build(cfg)
     key = jax.random.key(0)
-    state = step_lib.init_state(cfg, model_cfg, trainer.initial_params(cfg, model_cfg, key), key)
+    state = train_state.init_state(cfg, model_cfg, trainer.initial_params(cfg, model_cfg, key), key)
     assert state.ref_params["embed"].dtype == jnp.bfloat16  # the frozen base
     params = state.params if shared else state.critic_params
     opt_state = state.opt_state if shared else state.critic_opt_state
-    tx = step_lib.policy_optimizer(cfg) if shared else step_lib.make_optimizer(cfg.critic)
+    tx = train_state.policy_optimizer(cfg) if shared else train_state.make_optimizer(cfg.critic)
     for name in lora.HEAD_KEYS:
         assert params[name].dtype == jnp.float32, name
     rng = np.random.default_rng(0)
     grads = jax.tree.map(jnp.zeros_like, params)
     for name in lora.HEAD_KEYS:
         grads[name] = jnp.asarray(rng.normal(size=params[name].shape), jnp.float32)
-    new, _ = step_lib.apply_grads(tx, grads, params, opt_state, None)
+    new, _ = nan_guard.apply_grads(tx, grads, params, opt_state, None)
     head = np.asarray(params["value_head"], np.float32)
     moved = np.asarray(new["value_head"], np.float32) != head
     assert moved.all(), f"{moved.sum()} of {moved.size} value-head entries moved"
@@ -473,9 +472,9 @@ def test_dropout_and_the_policy_loss_draw_from_keys_of_their_own(monkeypatch):
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     ids = trainer.sampling_ids(tok, task)
     key = jax.random.key(1)
-    state = step_lib.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    state = train_state.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)
     seen = {}
-    with_base = step_lib.with_base
+    with_base = lora.with_base
 
     def recording_with_base(cfg_, base, trainable, dropout_key=None):
         seen["dropout"] = dropout_key

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl import step as step_lib
+
+from jrl import train_state
 from jrl.run import trainer
 from jrl.models import transformer
 from conftest import tiny_config, tiny_model
@@ -48,7 +50,7 @@ def test_fused_step_in_bfloat16_keeps_float32_state():
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     assert model_cfg.dtype == "bfloat16"
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     step = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)),
         donate_argnums=0,

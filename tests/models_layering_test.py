@@ -14,7 +14,7 @@ RUNTIME = (
     "jrl.sharding",
     "jrl.step",
     "jrl.logprobs",
-    "jrl.microbatch",
+    "jrl.batching",
     "jrl.train",
     "jrl.eval",
     "jrl.rollout",

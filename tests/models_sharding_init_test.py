@@ -9,7 +9,7 @@ import pytest
 
 from jrl import sharding
 from jrl.run import trainer
-from jrl import step as step_lib
+from jrl import train_state
 from jrl.models import transformer
 from conftest import tiny_config, tiny_model
 
@@ -59,7 +59,7 @@ def test_train_state_from_donated_params():
     cfg.model.num_layers = 1
     _, _, _, model_cfg = trainer.build(cfg)
     mesh = sharding.make_mesh(shape=(2, 2, 2))
-    init = lambda p: step_lib.init_state(cfg, model_cfg, p, jax.random.key(1))
+    init = lambda p: train_state.init_state(cfg, model_cfg, p, jax.random.key(1))
     host = jax.device_get(transformer.init_params(model_cfg, jax.random.key(0)))
     abstract = jax.eval_shape(init, host)
     state_sh = sharding.state_shardings(mesh, abstract, transformer.logical_axes(model_cfg))

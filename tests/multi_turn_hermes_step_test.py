@@ -26,6 +26,7 @@ import pytest
 from conftest import tiny_config
 from jrl import sharding
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.run import trainer
 from jrl.tools.host import make_tool_host
 from tools_test import TOOL_BLOCK, qwen_style_tokenizer
@@ -172,7 +173,7 @@ def make(tok, on_mesh: bool = False, **changes):
     model_cfg, params = scripted_model(cfg, tok)
     host = Recorder(make_tool_host(cfg, tok, max_response_length=R))
     ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=R, tool_host=host)
-    init = lambda: step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))  # noqa: E731
+    init = lambda: train_state.init_state(cfg, model_cfg, params, jax.random.key(1))  # noqa: E731
     if on_mesh:
         mesh = sharding.make_mesh(shape=(2, 2, 1), devices=jax.devices()[:4])
         step, _, state_sh, _ = trainer.jit_step(cfg, model_cfg, scripted_reward, ids, mesh, init)

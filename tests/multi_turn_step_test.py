@@ -24,6 +24,8 @@ import faulty_tools
 from conftest import tiny_config
 from jrl import logprobs
 from jrl import step as step_lib
+from jrl import shaping
+from jrl import train_state
 from jrl.run import trainer
 
 MULTI_TURN = {
@@ -73,7 +75,7 @@ def reference_run(name):
     cfg = tiny_config(name, **{"warmup.sft_steps": 0})
     tok, task, _, model_cfg = trainer.build(cfg)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task, cfg)
     step = jax.jit(step_lib.make_step(cfg, model_cfg, varied_reward, **ids))
     for i in range(2):
@@ -101,7 +103,7 @@ def test_the_score_sits_on_the_last_model_token():
     """Hand-worked rows: holes (tool tokens) before the end, a tool block at the end of a full
     row, a row without holes (as before: at sum(mask) - 1), an empty row (no score)."""
     mask = jnp.array([[1, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0], [0] * 6])
-    got = step_lib.last_token_scores(jnp.array([2.0, 3.0, 4.0, 5.0]), mask)
+    got = shaping.last_token_scores(jnp.array([2.0, 3.0, 4.0, 5.0]), mask)
     want = np.zeros((4, 6), np.float32)
     want[0, 4], want[1, 3], want[2, 2] = 2.0, 3.0, 4.0
     np.testing.assert_array_equal(got, want)
@@ -118,7 +120,7 @@ def scored():
     phase: (spec, state, experience)."""
     cfg = tiny_config(**MULTI_TURN, **{"model.shared_prompt_forward": False})
     tok, task, _, model_cfg = trainer.build(cfg)
-    state = step_lib.init_state(
+    state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )
     ids = trainer.sampling_ids(tok, task, cfg)
@@ -243,7 +245,7 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
         },
     )
     tok, task, _, model_cfg = trainer.build(cfg)
-    state = step_lib.init_state(
+    state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )
     step = jax.jit(

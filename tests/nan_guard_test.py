@@ -10,6 +10,7 @@ import pytest
 
 from jrl import rewards
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.run import trainer
 from conftest import tiny_config
 
@@ -43,7 +44,7 @@ def test_nan_reward_steps_are_skipped_counted_and_stop_the_run(cfg, tmp_path):
 def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
     new, metrics = step(state, task.train_batch(0, cfg.data.train_batch_size))
@@ -70,7 +71,7 @@ def test_a_non_finite_loss_applies_no_update(monkeypatch):
     cfg = tiny_config()
     cfg.actor.policy_loss = "nan_loss"
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
-    state = step_lib.init_state(
+    state = train_state.init_state(
         cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))

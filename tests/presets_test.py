@@ -186,6 +186,7 @@ _PROBE = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from configs import grpo_math
     from jrl import sharding, step
+    from jrl import train_state
     from jrl.run import trainer
     from jrl.models import transformer
 
@@ -207,13 +208,13 @@ _PROBE = textwrap.dedent(
         out["counts"][name] = [total, total - embeddings]
     for preset, devices in json.loads(sys.argv[2]).items():
         cfg = grpo_math.get_config(preset)
-        mc, _ = step.model_configs(cfg, model_cfg(cfg))
+        mc, _ = train_state.model_configs(cfg, model_cfg(cfg))
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape, jax.devices()[:devices])
         key = jax.random.key(0)
         abstract = jax.eval_shape(
-            lambda: step.init_state(cfg, mc, transformer.init_params(mc, key), key)
+            lambda: train_state.init_state(cfg, mc, transformer.init_params(mc, key), key)
         )
-        critic = step.model_configs(cfg, mc)[1]
+        critic = train_state.model_configs(cfg, mc)[1]
         sh = sharding.state_shardings(
             mesh,
             abstract,

@@ -3,7 +3,7 @@
 A policy under RL pressure learns whatever pays: if the reward read the tool's text as the
 model's, a row that lets a tool print the answer (a calc result, a python program's output)
 would score without the model stating it. The step hands every reward (JAX, host and user ones)
-`step.final_turn_mask`; here a hand-made multi-turn rollout, whose tool block holds the right
+`shaping.final_turn_mask`; here a hand-made multi-turn rollout, whose tool block holds the right
 answer in every form the rewards look for, goes through `step.rollout_and_reward` with the real
 host rewards."""
 
@@ -16,6 +16,7 @@ from conftest import tiny_config, tiny_model
 from jrl import multi_turn
 from jrl import rewards
 from jrl import step as step_lib
+from jrl import shaping
 from tools_test import TOOL_BLOCK, qwen_style_tokenizer
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(12*34)"}}</tool_call><|im_end|>'
@@ -122,8 +123,8 @@ def test_final_turn_mask_by_hand():
             [0, 0, 1, 1, 0, 0, 0, 0, 0],
         ]
     )
-    np.testing.assert_array_equal(step_lib.final_turn_mask(mask, valid), want)
-    np.testing.assert_array_equal(step_lib.final_turn_mask(mask, mask), mask)  # one turn
+    np.testing.assert_array_equal(shaping.final_turn_mask(mask, valid), want)
+    np.testing.assert_array_equal(shaping.final_turn_mask(mask, mask), mask)  # one turn
 
 
 def test_the_gsm8k_tool_config_extracts_answers_strictly():

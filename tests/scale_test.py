@@ -20,7 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import trainer
-from jrl import step as step_lib
+from jrl import train_state
 from jrl.models import transformer
 from conftest import REPO, tiny_config
 
@@ -85,7 +85,7 @@ def final_params(workdir):
     cfg = config()
     _, _, _, model_cfg = trainer.build(cfg)
     abstract = jax.eval_shape(
-        lambda: step_lib.init_state(
+        lambda: train_state.init_state(
             cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
         )
     )

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jrl import sharding
 from jrl.run import trainer
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.models import transformer
 from conftest import tiny_config, tiny_model
 
@@ -130,8 +131,8 @@ def test_state_shardings_mirror_params_in_optimizer_states():
     """PPO with a separate critic and a reference: every part of the state gets its sharding."""
     cfg = tiny_config("ppo_math")
     cfg.actor.use_kl_loss = True
-    policy_cfg, critic_cfg = step_lib.model_configs(cfg, CFG)
-    init = lambda: step_lib.init_state(
+    policy_cfg, critic_cfg = train_state.model_configs(cfg, CFG)
+    init = lambda: train_state.init_state(
         cfg, policy_cfg, transformer.init_params(policy_cfg, jax.random.key(0)), jax.random.key(1)
     )
     abstract = jax.eval_shape(init)
@@ -172,7 +173,7 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
     cfg.model.num_layers = 1
     tok, task, _, model_cfg = trainer.build(cfg)
     step = step_lib.make_step(cfg, model_cfg, varied_reward, **trainer.sampling_ids(tok, task))
-    init = lambda: step_lib.init_state(
+    init = lambda: train_state.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     batches = [task.train_batch(i, step_lib.prompts_per_step(cfg)) for i in range(2)]

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl import logprobs
+from jrl import batching, logprobs
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.models import transformer as tfm
 
 import model_test
@@ -68,23 +69,23 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     assert np.abs(np.asarray(moved - want["log_prob"])[1][mask[1]]).max() > 1e-4
 
 
-def test_prompt_group_is_n_only_where_every_micro_batch_holds_whole_groups():
+def test_prompt_groups_is_n_only_where_every_micro_batch_holds_whole_groups():
     # the tiny preset: 4 prompts x n 4; one mini-batch of all 4 prompts
     cfg = tiny_config(**{"actor.ppo_mini_batch_size": 4})
     n = cfg.rollout.n
     assert n > 1
     micro = {"log_prob": 1, "actor": 1, "critic": 1}
-    assert logprobs.prompt_group(cfg, micro) == {k: n for k in micro}
+    assert batching.prompt_groups(cfg, micro) == {k: n for k in micro}
     split = {"log_prob": 1, "actor": 8, "critic": 4}  # actor: half a group per micro-batch
-    assert logprobs.prompt_group(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
+    assert batching.prompt_groups(cfg, split) == {"log_prob": n, "actor": 1, "critic": n}
     two = tiny_config(**{"actor.ppo_mini_batch_size": 2})  # two mini-batches: rows drawn at random
-    assert logprobs.prompt_group(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
+    assert batching.prompt_groups(two, micro) == {"log_prob": n, "actor": 1, "critic": 1}
     off = tiny_config(**{"model.shared_prompt_forward": False})
-    assert logprobs.prompt_group(off, micro) == {k: 1 for k in micro}
+    assert batching.prompt_groups(off, micro) == {k: 1 for k in micro}
     single = tiny_config(**{"rollout.n": 1})
-    assert logprobs.prompt_group(single, micro) == {k: 1 for k in micro}
+    assert batching.prompt_groups(single, micro) == {k: 1 for k in micro}
     dropout = tiny_config(**{"actor.ppo_mini_batch_size": 4, "lora.rank": 4, "lora.dropout": 0.1})
-    assert logprobs.prompt_group(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
+    assert batching.prompt_groups(dropout, micro) == {"log_prob": n, "actor": 1, "critic": 1}
 
 
 def test_grouped_forward_is_off_with_remat_or_blockwise_attention():
@@ -110,9 +111,9 @@ def test_update_with_the_shared_prompt_forward_equals_the_full_forwards(estimato
     task, model_cfg, (generate, score, update) = _phases(on_cfg)
     _, _, (_, off_score, off_update) = _phases(off_cfg)
     ids = {"eos_id": 0, "pad_id": 0, "max_new_tokens": 1}
-    assert step_lib.make_spec(on_cfg, model_cfg, None, **ids).group["actor"] > 1
+    assert step_lib.make_spec(on_cfg, model_cfg, None, **ids).batching["actor"].group > 1
     key = jax.random.key(0)
-    state = step_lib.init_state(on_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
+    state = train_state.init_state(on_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
     exp, _ = jax.jit(generate)(state, task.train_batch(0, on_cfg.data.train_batch_size), key)
     scored, _, _ = jax.jit(score)(state, exp)
     off_scored, _, _ = jax.jit(off_score)(state, exp)

@@ -13,6 +13,7 @@ import pytest
 
 from jrl import rollout
 from jrl import step as step_lib
+from jrl import train_state
 from jrl.run import trainer
 from conftest import tiny_config
 from configs import grpo_math, ppo_math
@@ -21,7 +22,7 @@ from configs import grpo_math, ppo_math
 def setup(cfg, reward_fn=None):
     tok, task, task_reward, model_cfg = trainer.build(cfg)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task)
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn or task_reward, **ids))
     return state, step, task.train_batch(0, step_lib.prompts_per_step(cfg))
@@ -41,14 +42,14 @@ def test_critic_warmup_skips_the_policy_update_entirely():
     critic_before = jax.tree.map(np.asarray, state.critic_params)
     state, _ = step(state, batch)
     jax.tree.map(np.testing.assert_array_equal, before, (state.params, state.opt_state))
-    assert int(step_lib.schedule_count(state.opt_state)) == 0
+    assert int(train_state.schedule_count(state.opt_state)) == 0
     moved = jax.tree.map(
         lambda a, b: np.any(a != np.asarray(b)), critic_before, state.critic_params
     )
     assert any(jax.tree.leaves(moved))
     state, _ = step(state, batch)  # past the warm-up: the policy trains
     updates = cfg.actor.ppo_epochs * cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-    assert int(step_lib.schedule_count(state.opt_state)) == updates
+    assert int(train_state.schedule_count(state.opt_state)) == updates
     assert any(jax.tree.leaves(jax.tree.map(lambda a, b: np.any(a != b), before[0], state.params)))
 
 
@@ -103,12 +104,12 @@ def test_logged_lr_follows_applied_updates_after_a_skipped_step():
 
 
 def test_schedule_count_reads_the_learning_rate_schedules_count():
-    tx = step_lib.make_optimizer(tiny_config().actor)
+    tx = train_state.make_optimizer(tiny_config().actor)
     params = {"w": jnp.ones(3)}
     opt_state = tx.init(params)
     for _ in range(3):
         _, opt_state = tx.update({"w": jnp.ones(3)}, opt_state, params)
-    assert int(step_lib.schedule_count(opt_state)) == 3
+    assert int(train_state.schedule_count(opt_state)) == 3
     assert isinstance(optax.ScaleByScheduleState(count=jnp.int32(0)), optax.ScaleByScheduleState)
 
 
@@ -164,7 +165,7 @@ def test_dynamic_sampling_filters_by_score_the_overlong_shaped_reward():
     ids = trainer.sampling_ids(tok, task)
     assert ids["max_new_tokens"] == 4
     params = eos_often(trainer.initial_params(cfg, model_cfg, jax.random.key(0)), ids["eos_id"])
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
     pool = task.train_batch(0, step_lib.prompts_per_step(cfg))
     exp, metrics = jax.jit(generate)(state, pool, jax.random.key(2))
@@ -190,7 +191,7 @@ def test_remax_baseline_is_the_greedy_answers_shaped_score():
     tok, task, _, model_cfg = trainer.build(cfg)
     ids = trainer.sampling_ids(tok, task)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
-    state = step_lib.init_state(cfg, model_cfg, params, jax.random.key(1))
+    state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     generate, _, _ = step_lib.make_phases(cfg, model_cfg, zero_reward, **ids)
     prompts = task.train_batch(0, cfg.data.train_batch_size)
     exp, _ = jax.jit(generate)(state, prompts, jax.random.key(2))
@@ -220,11 +221,11 @@ def test_the_step_reads_an_estimators_entry_for_its_critic_and_inputs(monkeypatc
     cfg = grpo_math.get_config("tiny")
     cfg.warmup.sft_steps = 0
     cfg.algorithm.adv_estimator = "toy"
-    assert step_lib.needs_critic(cfg)
+    assert train_state.needs_critic(cfg)
     tok, task, reward_fn, model_cfg = trainer.build(cfg)
     assert model_cfg.value_head is False
-    assert step_lib.model_configs(cfg, model_cfg)[1].value_head
-    init = lambda: step_lib.init_state(
+    assert train_state.model_configs(cfg, model_cfg)[1].value_head
+    init = lambda: train_state.init_state(
         cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     state = jax.eval_shape(init)

@@ -7,7 +7,7 @@ import pytest
 
 from jrl import config as config_lib
 from jrl import data
-from jrl import step as step_lib
+from jrl import shaping
 from jrl.data.arithmetic import ArithmeticTask, Problems
 from jrl.data.tool_arith import ToolArithTask
 from jrl.rewards import arithmetic_final_answer, final_answer_match
@@ -98,7 +98,7 @@ def test_warmup_batches_carry_demonstrations_and_rl_batches_do_not(tok):
 def _row(parts, width=24):
     """(ids, reward mask) of a response: the text up to "|", then padding; "$" is eos; a block
     "=...;" is the tool's (response_mask 0, valid 1), the rest the model's. The reward mask is
-    what the step hands the reward: `step.final_turn_mask` of the two."""
+    what the step hands the reward: `shaping.final_turn_mask` of the two."""
     text, _, pad = parts.partition("|")
     row = [EOS_ID if ch == "$" else CHAR_VOCAB.index(ch) for ch in text + pad]
     model, in_block = [], False
@@ -108,7 +108,7 @@ def _row(parts, width=24):
         in_block = in_block and ch != ";"
     valid = [1] * len(text) + [0] * (width - len(text))
     model = model + [0] * (width - len(text))
-    mask = step_lib.final_turn_mask(jnp.asarray([model]), jnp.asarray([valid]))[0]
+    mask = shaping.final_turn_mask(jnp.asarray([model]), jnp.asarray([valid]))[0]
     return row + [PAD_ID] * (width - len(row)), np.asarray(mask).tolist()
 
 

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 
 from jrl import step as step_lib
+
+from jrl import step_metrics
+
+from jrl import train_state
 from conftest import tiny_config, tiny_model
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "verl_composition.json")
@@ -45,7 +49,7 @@ def _spec(case):
 
 def _state(spec):
     none = dict.fromkeys(("params", "opt_state", "critic_params", "critic_opt_state"))
-    return step_lib.TrainState(
+    return train_state.TrainState(
         step=jnp.int32(0),
         ref_params=None,
         kl_coef=jnp.float32(spec.cfg.algorithm.kl_ctrl.kl_coef),
@@ -93,6 +97,6 @@ def test_advantages_match_verls_trainer(case):
         actual = np.asarray(exp[name])
         np.testing.assert_allclose(actual, np.asarray(case[name]) * kept, rtol=0, atol=ATOL)
         assert np.all(actual[kept == 0] == 0), name
-    metrics = step_lib.experience_metrics(exp, 6)
+    metrics = step_metrics.experience_metrics(exp, 6)
     for name, value in case["metrics"].items():
         np.testing.assert_allclose(metrics[name], value, rtol=0, atol=ATOL, err_msg=name)

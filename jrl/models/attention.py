@@ -365,13 +365,13 @@ def decode_attention(
     `first_slot` - w + 1 (`first_slot`: min q_slot or less, an int or traced); without one at
     slot 0. The cache is read from there in whole blocks of `block_size` slots, then in blocks
     a quarter as long up to `end` (fewer than a quarter block is read past it: the cache's
-    slots there must hold finite values, as the rollout's zeros do until written); when the slots
-    from the first one read (0 when that is traced) to S fit one block of `block_size`, they
-    are read in one pass, no loop. Every
-    block goes through an online softmax: a running max, sum and float32 output per query, scores and sums in
-    float32, the products taken with `preferred_element_type=float32`. No [.., S] score array
-    is formed. The probabilities are cast to the values' dtype before their product with v, as
-    in `attend_head_major`. A query that sees no key gets 0.
+    slots there must hold finite values, as the rollout's zeros do until written); when the
+    slots from the first one read (0 when that is traced) to S fit one block of `block_size`,
+    they are read in one pass, no loop. Every block goes through an online softmax: a running
+    max, sum and float32 output per query, scores and sums in float32, the products taken with
+    `preferred_element_type=float32`. No [.., S] score array is formed. The probabilities are
+    cast to the values' dtype before their product with v, as in `attend_head_major`. A query
+    that sees no key gets 0.
 
     `prompt` = (k [P', K, P, D], v, key_valid [P', P]): the first P slots of every row's
     keys / values once per group of B / P' consecutive rows (a GRPO group's samples share

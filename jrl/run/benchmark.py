@@ -16,6 +16,7 @@ from jrl import logprobs
 from jrl import rollout
 from jrl import sharding
 from jrl import step as step_lib
+from jrl import train_state
 from jrl import tokenizer as tokenizer_lib
 from jrl.run import targets, trainer
 from jrl.data.arithmetic import ArithmeticTask
@@ -105,19 +106,20 @@ def token_shares(spec: step_lib.StepSpec, prompt_mask, lengths) -> dict:
     stages = rollout.decode_stages(b, 1, cfg.compact_min_rows) if cfg.compact_decode else (b,)
 
     def forward_share(name):
-        grouped = spec.group[name] > 1 and logprobs.grouped_forward_suits(spec.model_cfg, p + r)
+        role = spec.batching[name]
+        grouped = role.group > 1 and logprobs.grouped_forward_suits(spec.model_cfg, p + r)
         copies = 1 if grouped else n
-        group, sizes = spec.group[name], np.asarray(spec.buckets or (r,))
+        group, sizes = role.group, np.asarray(role.buckets or (r,))
         block_ends = np.sort(lengths.reshape(-1, group).max(axis=1))
         response = sum(
             len(mb) * group * int(sizes[np.searchsorted(sizes, mb.max())])
-            for mb in np.array_split(block_ends, spec.micro[name])
+            for mb in np.array_split(block_ends, role.micro)
         )
         return (copies * int(prompt_mask.sum()) + real_response) / (copies * b_p * p + response)
 
     scoring_forwards = (
         (not (spec.on_policy or step_lib.bypass_mode(spec.cfg)))
-        + step_lib.needs_reference(spec.cfg)
+        + train_state.needs_reference(spec.cfg)
         + (spec.use_critic and not spec.shared)
     )
     return {
@@ -165,7 +167,7 @@ class Workload(NamedTuple):
     model_cfg: transformer.ModelConfig
     reward_fn: Any
     ids: dict  # eos_id / pad_id / max_new_tokens of `step.make_step`
-    state: step_lib.TrainState
+    state: train_state.TrainState
     batch: dict  # the prompts of one step, on the device
 
 
@@ -189,7 +191,7 @@ def setup(name: str, micro_batch: int | None = None, fixed_length: bool = False)
             forced_length=lengths,
         )
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    state = step_lib.init_state(
+    state = train_state.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
     )
     batch = jax.device_put(task.train_batch(0, w["prompts"]))
@@ -279,7 +281,8 @@ def memory_report(cfg, target: targets.Target | None = None) -> dict:
     else:
         mesh = targets.mesh_for(target, cfg)
     key = jax.random.key(0)
-    init = lambda: step_lib.init_state(cfg, model_cfg, transformer.init_params(model_cfg, key), key)
+    params = lambda: transformer.init_params(model_cfg, key)
+    init = lambda: train_state.init_state(cfg, model_cfg, params(), key)
     step_fn, abstract, state_sh, batch_sh = trainer.jit_step(
         cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task, cfg), mesh, init
     )

@@ -62,7 +62,7 @@ from etils import epath
 
 from jrl import config as config_lib
 from jrl import models
-from jrl import step as step_lib
+from jrl import train_state
 from jrl.models import lora as lora_lib
 from jrl.models import transformer
 
@@ -950,13 +950,13 @@ def lora_base_from_hf(cfg) -> bool:
 
 def abstract_state(
     cfg, model_cfg: transformer.ModelConfig, with_base: bool = False
-) -> step_lib.TrainState:
+) -> train_state.TrainState:
     """The run's train state as shapes (as jrl.run.trainer.run makes it), without the reference
     params (they are not needed to export or evaluate the policy; `with_base`: with them, for
     LoRA's frozen base)."""
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
     state = jax.eval_shape(
-        lambda: step_lib.init_state(
+        lambda: train_state.init_state(
             cfg, model_cfg, transformer.init_params(model_cfg, key_init), key_state
         )
     )

@@ -29,7 +29,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jrl import config as config_lib
-from jrl import data, microbatch, models, rewards, sharding, sft, step as step_lib
+from jrl import batching, data, models, rewards, sharding, sft, step as step_lib
+from jrl import nan_guard
+from jrl import train_state
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import lora as lora_lib
 from jrl.models import pretrained, transformer
@@ -114,7 +116,7 @@ def initial_params(cfg, model_cfg: transformer.ModelConfig, key, mesh=None, shar
 def policy_model(cfg) -> tuple:
     """(tokenizer, policy model config) of a run; unlike `build` it needs no data files."""
     tok = tokenizer_lib.get_tokenizer(cfg.tokenizer or cfg.model.hf_path)
-    model_cfg, _ = step_lib.model_configs(cfg, model_config(cfg, len(tok)))
+    model_cfg, _ = train_state.model_configs(cfg, model_config(cfg, len(tok)))
     return tok, model_cfg
 
 
@@ -231,7 +233,7 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
     `init_state()` with its shardings: (step_fn, abstract_state, state_shardings, batch_sharding).
     Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
     abstract = jax.eval_shape(init_state)
-    critic_cfg = step_lib.model_configs(cfg, model_cfg)[1]
+    critic_cfg = train_state.model_configs(cfg, model_cfg)[1]
     axes = lora_lib.state_axes(
         cfg,
         abstract,
@@ -276,7 +278,7 @@ def check_finite(cfg, metrics: dict, consecutive: int) -> int:
     the guard is off or `nan_guard.max_consecutive` steps in a row were skipped."""
     if not metrics["training/step_skipped"]:
         return 0
-    bad = [k for k in step_lib.GUARDED_METRICS if metrics.get(f"training/finite/{k}") == 0]
+    bad = [k for k in nan_guard.GUARDED_METRICS if metrics.get(f"training/finite/{k}") == 0]
     consecutive += 1
     step = metrics["step"]
     if not cfg.nan_guard.enable:
@@ -445,7 +447,7 @@ def _run(cfg, workdir: str, *, fresh: bool, allow_changes: bool, guard) -> dict:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
-    microbatch.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
+    batching.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
     rewards.defer_failures(reward_fn)  # a failing reward ends the step; the loop checks it
     rewards.clear_stop()
     guard.on_request.append(rewards.request_stop)  # SIGTERM: a user reward gets a grace period
@@ -458,7 +460,7 @@ def _run(cfg, workdir: str, *, fresh: bool, allow_changes: bool, guard) -> dict:
 
     ids = sampling_ids(tok, task, cfg)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    init = lambda params: step_lib.init_state(cfg, model_cfg, params, key_state)
+    init = lambda params: train_state.init_state(cfg, model_cfg, params, key_state)
     inputs = workdir_lib.fingerprints(cfg)
     ckpt = open_checkpoints(cfg, workdir, inputs, allow_changes)
     step_fn, abstract, state_sh, batch_sh = jit_step(
