@@ -134,12 +134,12 @@ def state_shardings(
     rules: Rules = DEFAULT_RULES,
     reference_axes=None,
 ):
-    """Shardings of a whole `jrl.step.TrainState` (`abstract_state = jax.eval_shape(init)`).
+    """Shardings of a whole `jrl.train_state.TrainState` (`abstract_state = jax.eval_shape(init)`).
 
     Policy and reference params by the policy's logical axes, critic params by the critic's,
     optimizer states mirroring their params (`mirror_shardings`); everything else (step, KL
     coefficient, PRNG key, fields added later) replicated. `policy_axes` / `critic_axes` are
-    `jrl.models.transformer.logical_axes` of the model configs of `jrl.step.model_configs`;
+    `jrl.models.transformer.logical_axes` of the model configs of `jrl.train_state.model_configs`;
     `reference_axes` those of the reference params when they are another tree (LoRA's frozen
     base; `jrl.models.lora.state_axes` gives all three for a LoRA state).
     """
@@ -159,7 +159,7 @@ def state_shardings(
         if critic_axes is None:
             raise ValueError(
                 "the state has critic params but critic_axes is None; pass the logical axes of "
-                "the critic's model (jrl.step.model_configs(cfg, model_cfg)[1])."
+                "the critic's model (jrl.train_state.model_configs(cfg, model_cfg)[1])."
             )
         critic = param_shardings(mesh, abstract_state.critic_params, critic_axes, rules)
         out = out.replace(

@@ -220,9 +220,12 @@ def test_rows_markdown_and_lines_of_known_answers():
     assert samples.lines([{"prompt": "3+4=", "completion": "7<eos>", "reward": 1.0}]) == [
         "reward 1 | '3+4=' -> '7<eos>'"
     ]
-    assert samples.lines([{"prompt": "x" * 50, "completion": "y", "reward": 0.0}], width=20) == [
-        "reward 0 | 'xxxxx..."  # 20 characters: 12 + 5 + 3
-    ]
+    # a long prompt keeps its end (the question) and the completion stays whole: 40 characters
+    long_prompt = {"prompt": "x" * 50 + "Q", "completion": "y", "reward": 0.0}
+    assert samples.lines([long_prompt], width=40) == ["reward 0 | ...xxxxxxxxxxxxxxxxxQ' -> 'y'"]
+    # a completion longer than the line is cut at the end
+    long_answer = {"prompt": "1+1=", "completion": "z" * 50, "reward": 0.0}
+    assert samples.lines([long_answer], width=30) == ["reward 0 | ... -> 'zzzzzzzz..."]
 
 
 def test_warmup_stops_at_the_first_step_reaching_the_target(monkeypatch):

@@ -91,6 +91,16 @@ def test_progress_bar_shows_kl_only_with_a_kl_term(use_kl_loss, use_kl_in_reward
         assert "kl=" not in last
     else:
         assert shown in last and last.count("kl=") == 1
+    assert "calls=" not in last and "tool err=" not in last  # one-turn: no tool fields
+
+
+def test_progress_bar_shows_tool_calls_and_errors_with_tools():
+    out = io.StringIO()
+    bar = metric_writers.ProgressBar(1, file=out)
+    bar.update({"critic/score/mean": 0.5, "tool_call_counts/mean": 0.75, "tool_calls/errors": 3})
+    bar.close()
+    last = out.getvalue().split("\r")[-1]
+    assert "calls=0.75" in last and "tool err=3" in last
 
 
 def test_local_workdir_appends_flushed_rows_and_writes_events_in_place(tmp_path):

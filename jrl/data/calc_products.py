@@ -25,7 +25,7 @@ greedy, so the greedy accuracy starts near 0 and rises as RL makes calling its f
 The answer is the model's own: the reward (`final_answer`, a host reward named by its path
 `jrl.data.calc_products:final_answer`) reads the last number on the first line of the model's
 final turn, which the step hands it (its tokens after the last tool answer,
-`jrl.step.final_turn_mask`): `. Answer: 391` scores 1 for 391, the tool's ` = 391` is never
+`jrl.shaping.final_turn_mask`): `. Answer: 391` scores 1 for 391, the tool's ` = 391` is never
 read, a final turn that states no number scores 0. Batches carry `row_id` (the problem number)
 and `split` (0 train, 1 eval) for `ground_truths_for`.
 

@@ -242,7 +242,8 @@ def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -
 
 
 # ----------------------------------------------------------------------------- a run's state
-# `cfg` is a run's config (its `lora` section); `state` a train state (`jrl.step.TrainState`).
+# `cfg` is a run's config (its `lora` section); `state` a train state
+# (`jrl.train_state.TrainState`).
 
 
 def lora_on(cfg) -> bool:

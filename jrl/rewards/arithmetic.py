@@ -54,7 +54,7 @@ def first_line(responses, ground_truths) -> list[float]:
 def final_answer_match(response_ids, response_mask, answer_ids, answer_len, *, eos_id: int):
     """`exact_match` of the tokens `response_mask` marks, moved to the front: the reward of the
     `tool_arith` task, which the step hands the model's final turn of a multi-turn response (its
-    tokens after the last tool block: `jrl.step.final_turn_mask`), so `<37*48>=1776;1776<eos>`
+    tokens after the last tool block: `jrl.shaping.final_turn_mask`), so `<37*48>=1776;1776<eos>`
     scores 1 for 1776 on the model's `1776<eos>`, never on the tool's `=1776;`. A response
     without a tool block is scored as by `exact_match`. Arguments as there."""
     chex.assert_rank([response_ids, response_mask], [2, 2])

@@ -33,6 +33,8 @@ _BAR_FIELDS = (
     ("acc", "val/accuracy", "{:.3f}"),
     ("kl", None, "{:.1e}"),  # the metric of the run's KL to the reference (ProgressBar's `kl`)
     ("tok/s", "perf/throughput", "{:.0f}"),
+    ("calls", "tool_call_counts/mean", "{:.2f}"),  # multi-turn: tool calls per answer
+    ("tool err", "tool_calls/errors", "{:.0f}"),  # multi-turn: calls answered with an error
 )
 
 
@@ -268,7 +270,8 @@ class MetricWriter:
 
 class ProgressBar:
     """tqdm bar over RL steps: reward, last eval accuracy, KL to the reference (the metric named
-    `kl`, e.g. "actor/kl_loss"; None: no KL shown) and tokens/s (ETA from tqdm)."""
+    `kl`, e.g. "actor/kl_loss"; None: no KL shown), tokens/s (ETA from tqdm) and, with tools,
+    tool calls per answer and tool errors of the step."""
 
     def __init__(
         self, total: int, initial: int = 0, enabled: bool = True, kl: str | None = None, **tqdm_args

@@ -59,10 +59,18 @@ def markdown(rows: list[dict]) -> str:
 
 def lines(rows: list[dict], width: int = 100) -> list[str]:
     """One terminal line per row: `reward R | 'prompt' -> 'completion'` (Python string literals:
-    newlines show as \\n), cut at `width` characters."""
+    newlines show as \\n) in at most `width` characters. The completion (a multi-turn answer
+    with its tool turns) is kept whole where it fits; a long prompt gives way from its start,
+    keeping its end, the question (`...er: 72\\nQ: 318*57\\nA:'`); what still does not fit is
+    cut at the end."""
     out = []
     for r in rows:
-        line = f"reward {r['reward']:g} | {r['prompt']!r} -> {r['completion']!r}"
+        head = f"reward {r['reward']:g} | "
+        prompt, completion = repr(r["prompt"]), repr(r["completion"])
+        room = width - len(head) - len(" -> ") - len(completion)
+        if len(prompt) > room:
+            prompt = "..." + prompt[len(prompt) - max(room - 3, 0) :] if room > 3 else "..."
+        line = f"{head}{prompt} -> {completion}"
         out.append(line if len(line) <= width else line[: width - 3] + "...")
     return out
 
