@@ -388,7 +388,7 @@ def unknown_override(cfg: ml_collections.ConfigDict, argv) -> str | None:
         if key not in keys:
             return (
                 f"unknown config field '{key}'{suggest(key, keys)}; the fields are listed "
-                f"(with a comment each) in jrl/config.py and the config file."
+                f"(with a comment each) in jrl/config/schema.py and the config file."
             )
     return None
 
@@ -980,9 +980,8 @@ def config_files(near: str) -> list[str]:
     """The config files (.py files with a `get_config`) beside the path `near` and in configs/
     (of the working directory and of this repository), as relative paths where under the working
     directory."""
-    repo_configs = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"
-    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo_configs = os.path.join(repo, "configs")  # jrl/config/schema.py -> configs/
     found = {}
     for folder in (os.path.dirname(near) or ".", "configs", repo_configs):
         if not os.path.isdir(folder):
