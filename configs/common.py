@@ -3,7 +3,7 @@
 
 The files in configs/ read this one by its path (`config_lib.load_file`), so a config works from
 any working directory and when given by an absolute path. Every field and its default is in
-jrl/config.py (`base_config`); here only what the math configs change, a comment per field.
+jrl/config/schema.py (`base_config`); here only what the math configs change, a comment per field.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Run:
   python -m jrl.train --config=configs/dapo_math.py:tiny   # seconds-long smoke run
 
 Starts from configs/common.py `math_base` (GRPO on math: same model, warm-up, batch sizes);
-fields in jrl/config.py.
+fields in jrl/config/schema.py.
 Dynamic sampling runs inside the jitted step: each step the host hands over
 `max_num_gen_batches` x `train_batch_size` prompts and the step keeps drawing generation rounds
 from them until `train_batch_size` groups whose rewards differ are found.

@@ -18,7 +18,7 @@ Run:
   python -m jrl.train --config=configs/gemma_tools_cpu.py --workdir=/tmp/jrl/gemma_no_tools \\
     --config.rollout.multi_turn.enable=False
 
-Fields are documented in jrl/config.py; the model's settings are configs/grpo_gemma_cpu.py's.
+Fields are documented in jrl/config/schema.py; the model's settings are configs/grpo_gemma_cpu.py's.
 """
 
 from jrl import config as config_lib

@@ -5,7 +5,7 @@ Run:
   python -m jrl.train --config=configs/group_ppo_math.py:tiny   # seconds-long smoke run
 
 Starts from configs/common.py `ppo_math_base` (PPO on math: same model, warm-up, critic); fields
-in jrl/config.py.
+in jrl/config/schema.py.
 """
 
 from jrl import config as config_lib

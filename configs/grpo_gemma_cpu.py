@@ -12,7 +12,7 @@ On a GPU or TPU, the same with larger batches (and a mesh: see configs/grpo_math
   python -m jrl.train --config=configs/grpo_gemma_cpu.py --config.data.train_batch_size=64 \\
     --config.actor.ppo_mini_batch_size=64 --config.model.dtype=bfloat16
 
-Fields are documented in jrl/config.py; here only what differs from its defaults.
+Fields are documented in jrl/config/schema.py; here only what differs from its defaults.
 """
 
 from jrl import config as config_lib

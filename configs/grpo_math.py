@@ -34,7 +34,7 @@ the character tokenizer:
   python -m jrl.train --config=configs/grpo_math.py:model=qwen2.5-7b,mesh=v5p-64 \
     --config.tokenizer=char
 
-Fields are documented in jrl/config.py; the base and the presets are in configs/common.py.
+Fields are documented in jrl/config/schema.py; the base and the presets are in configs/common.py.
 """
 
 from jrl import config as config_lib

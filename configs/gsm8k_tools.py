@@ -16,7 +16,7 @@ instead of model=qwen2.5-0.5b, lora, mesh=...; tiny: the small random model, wit
 tokenizer given as --config.tokenizer=DIR); `--config.rollout.multi_turn.enable=False` runs the
 same without tools.
 
-Fields are documented in jrl/config.py; the base and the presets are in configs/common.py.
+Fields are documented in jrl/config/schema.py; the base and the presets are in configs/common.py.
 """
 
 from jrl import config as config_lib

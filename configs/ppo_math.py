@@ -6,7 +6,7 @@ Run:
   python -m jrl.train --config=configs/ppo_math.py:tiny     # seconds-long smoke run
 
 Built by configs/common.py `ppo_math_base` (GRPO-on-math base + GAE and a critic); fields in
-jrl/config.py.
+jrl/config/schema.py.
 """
 
 from jrl import config as config_lib

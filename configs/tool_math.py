@@ -14,7 +14,7 @@ Run:
   python -m jrl.train --config=configs/tool_math.py --workdir=/tmp/jrl/no_tools \
     --config.rollout.multi_turn.enable=False
 
-Fields are documented in jrl/config.py; the base and the presets are in configs/common.py.
+Fields are documented in jrl/config/schema.py; the base and the presets are in configs/common.py.
 """
 
 from jrl import config as config_lib

@@ -1,6 +1,6 @@
 """Parameters reach the maths from the config: `losses.make_policy_loss`,
 `advantages.make_estimator` and `kl.make_kl_controller` bind them once from complete config
-sections (jrl.config.base_config), with verl's rules for unset fields."""
+sections (jrl.config.schema.base_config), with verl's rules for unset fields."""
 
 import jax
 import jax.numpy as jnp

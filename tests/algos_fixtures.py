@@ -1,5 +1,6 @@
-"""Shared helpers of the jrl.algos tests: complete config sections (from jrl.config.base_config,
-the one home of every default) with overrides, and thin callers of the bound maths."""
+"""Shared helpers of the jrl.algos tests: complete config sections (from
+jrl.config.schema.base_config, the one home of every default) with overrides, and thin callers of
+the bound maths."""
 
 import ml_collections
 
@@ -17,7 +18,9 @@ def _section(section: ml_collections.ConfigDict, overrides: dict) -> ml_collecti
 
 def _apply(section, overrides):
     for name, value in overrides.items():
-        assert name in section, f"{name!r} is not a field of the section (jrl.config.base_config)"
+        assert name in section, (
+            f"{name!r} is not a field of the section (jrl.config.schema.base_config)"
+        )
         if isinstance(value, dict):
             _apply(section[name], value)
         else:

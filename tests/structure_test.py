@@ -3,7 +3,8 @@
     command lines   jrl/train.py  eval.py  export.py  bench.py   (imported by nobody)
     run machinery   jrl/run/      (trainer, checkpoints, workdir, metric writers, ...; run.cli
                                    is imported only by the command lines)
-    RL core         jrl/*.py      (step, rollout, sharding, config, tokenizer, ...; never jrl.run)
+    RL core         jrl/*.py      (step, rollout, sharding, tokenizer, ...; never jrl.run)
+                    jrl/config/   (the config's schema, validation and files)
                     jrl/tools/    (the host side of multi-turn rollouts; the config reads its
                                    registries, its host is built from a config)
     maths           jrl/algos/  jrl/models/  jrl/rewards/  jrl/data/   (maths and base only)
@@ -25,7 +26,7 @@ ENTRYPOINTS = {"jrl.train", "jrl.eval", "jrl.export", "jrl.bench"}
 BASE = {"jrl.partitioning", "jrl.registry"}
 MATHS = ("jrl.algos", "jrl.models", "jrl.rewards", "jrl.data")
 RUN = "jrl.run"
-CORE_PACKAGES = ("jrl.tools",)
+CORE_PACKAGES = ("jrl.config", "jrl.tools")
 
 
 def under(module: str, *packages: str) -> bool:
@@ -143,6 +144,7 @@ def test_tier_finder():
     assert tier("jrl.train") == "command line"
     assert tier("jrl.run.trainer") == tier("jrl.run.cli") == "run"
     assert tier("jrl.step") == tier("jrl.config") == tier("jrl.tokenizer") == "core"
+    assert tier("jrl.config.schema") == tier("jrl.tools.host") == "core"
     assert tier("jrl.algos") == tier("jrl.models.lora") == tier("jrl.data.math_data") == "maths"
     assert tier("jrl.registry") == "base"
     assert tier("jrl.newfolder.module") is None

@@ -12,7 +12,7 @@ Submodules (import them explicitly; this package does not import them itself):
 
 Imports go one way: advantages -> group_ppo -> recurrences; every module may use this package.
 The maths take explicit keyword arguments; each `make_*` binds them once from a config section
-(jrl.config.base_config holds every default). Every registry is a `jrl.registry.Registry`.
+(jrl.config.schema.base_config holds every default). Every registry is a `jrl.registry.Registry`.
 
 The masked reductions below are the ones every other module uses; `check_positive` validates a
 bound parameter. Arrays are batch-major

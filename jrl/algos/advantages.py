@@ -126,7 +126,7 @@ def trains_critic(name: str) -> bool:
 
 def estimator_params(algorithm) -> dict[str, Any]:
     """Every estimator parameter, bound from the `algorithm` config section (each field must be
-    present; defaults and comments in jrl.config.base_config): gamma, lam,
+    present; defaults and comments in jrl.config.schema.base_config): gamma, lam,
     norm_adv_by_std_in_grpo, f_norm, and group_params (a validated `group_ppo.GroupParams`)."""
     return {
         "gamma": algorithm.gamma,

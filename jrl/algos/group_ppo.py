@@ -34,7 +34,7 @@ per row, A = sum_t gamma^t r_t - V[0]; gamma = lam = 1 gives A_k = G(a_k) - V[a_
 
 Parameters (bound from the `algorithm` section): gamma, lam, and `group_params(algorithm)`:
 group_variance_threshold, group_max_size, group_epsilon, adaptive_threshold, threshold_lr,
-min_threshold, max_threshold (defaults and comments in jrl.config.base_config).
+min_threshold, max_threshold (defaults and comments in jrl.config.schema.base_config).
 """
 
 import math
@@ -49,7 +49,8 @@ EV_EPS = 1e-5  # verl's guard in critic/vf_explained_var: 1 - Var(R - V) / (Var(
 
 
 class GroupParams(NamedTuple):
-    """`algorithm.group_params`, bound once by `group_params` (defaults: jrl.config.base_config)."""
+    """`algorithm.group_params`, bound once by `group_params` (defaults:
+    jrl.config.schema.base_config)."""
 
     group_variance_threshold: float  # initial tau
     group_max_size: int  # L: most valid tokens per segment

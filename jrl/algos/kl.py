@@ -17,7 +17,7 @@ The KL controller updates a float32 scalar `beta` that lives in the train state:
 current_kl, n_steps)` with `update = make_kl_controller(algorithm)`, `current_kl` from
 `apply_kl_penalty`'s metrics and n_steps = the batch size (rows), as verl does. `algorithm` is the
 config section; `kl_ctrl.type` picks the controller (KL_CONTROLLERS: fixed | adaptive), whose
-parameters (`kl_ctrl.target_kl`, `kl_ctrl.horizon`) are bound once; defaults in jrl.config.
+parameters (`kl_ctrl.target_kl`, `kl_ctrl.horizon`) are bound once; defaults in jrl.config.schema.
 """
 
 import functools

@@ -28,9 +28,9 @@ Every policy loss returns the same metric keys (verl's names), 0 where a loss ha
 (`policy_loss_params`) from the actor config section: clip_ratio_low / clip_ratio_high (None ->
 clip_ratio, verl's rule), clip_ratio_c, loss_scale_factor (0 / None -> T), tau_pos, tau_neg,
 clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, dro_beta, and the parsed
-rollout-correction settings (bypass_mode). Defaults and comments: jrl.config.base_config. verl
-nests the clip_cov / kl_cov ones under `actor.policy_loss`; in jrl `actor.policy_loss` is the loss
-name, so they sit directly in the actor section.
+rollout-correction settings (bypass_mode). Defaults and comments:
+jrl.config.schema.base_config. verl nests the clip_cov / kl_cov ones under `actor.policy_loss`; in
+jrl `actor.policy_loss` is the loss name, so they sit directly in the actor section.
 """
 
 import functools
@@ -184,7 +184,8 @@ def policy_loss_names() -> list[str]:
 
 def policy_loss_params(actor, rollout_correction) -> dict:
     """Every policy-loss parameter, bound from the `actor` and `algorithm.rollout_correction`
-    config sections (each field must be present; defaults and comments in jrl.config.base_config).
+    config sections (each field must be present; defaults and comments in
+    jrl.config.schema.base_config).
     clip_ratio_low / clip_ratio_high: the field, or actor.clip_ratio where it is None (verl).
     rollout_correction: `rollout_corr.settings` of the section when it is enabled, else None."""
     low, high = actor.clip_ratio_low, actor.clip_ratio_high

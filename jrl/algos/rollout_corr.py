@@ -107,7 +107,7 @@ def parse_rs(options: str, spec) -> dict[str, tuple[Optional[float], float]]:
 
 def settings(rc) -> dict[str, Any]:
     """The parsed `rollout_correction` config section (raises ValueError naming a bad field). Every
-    field read must be present (defaults: jrl.config.base_config)."""
+    field read must be present (defaults: jrl.config.schema.base_config)."""
     level = rc["rollout_is"] or ""
     if level and level not in IS_LEVELS:
         raise ValueError(f"rollout_is={level!r} is unknown; valid: token, sequence, '' (off).")

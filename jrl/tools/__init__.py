@@ -8,7 +8,7 @@
     resolve_tools("calc,package.module:function") -> [Tool]
 
 The host object the step calls between turns is `jrl.tools.host.make_tool_host` (it needs the
-config module, which imports this package for the names above); its metrics are
+config package, whose validation imports this package for the names above); its metrics are
 `jrl.tools.metrics.multi_turn_metrics`. docs/multi_turn.md has the whole picture.
 """
 
