@@ -2,6 +2,7 @@
 "Decode"):
 
     python scripts/decode_logprob_gap.py [--dtype=bfloat16] [--length=128] [--seeds=3]
+        [--decode_attention=blockwise|xla]
 
 W2's model shape (`jrl.run.benchmark`: hidden 256, 4 layers, 8 query / 4 kv heads, random
 weights from seed 0) computing in `--dtype` over float32 weights, 8 prompts x 8 samples of the
@@ -10,7 +11,9 @@ built-in arithmetic task left-padded to 64 tokens, every response forced to `--l
 recorded are compared with those of the scoring forward the step runs (`jrl.logprobs`, in
 `--dtype`, the shared-prompt forward as the step runs it) and with a float32 forward
 (`transformer.forward` of the same weights): the mean and largest absolute differences over the
-response tokens, averaged / maxed over the seeds.
+response tokens, averaged / maxed over the seeds. The floor: the same scoring forward with each
+row's prompt run for it alone (group 1) against the shared-prompt one, two training forwards of
+the same maths in other shapes, whose gap is what `--dtype` rounding alone gives.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--decode_attention", default="blockwise", help="blockwise | xla")
     args = parser.parse_args()
     cfg = benchmark.workload_config("W2")
     tok = tokenizer_lib.char_tokenizer()
     f32_cfg = trainer.model_config(cfg, len(tok))
-    model_cfg = dataclasses.replace(f32_cfg, dtype=args.dtype)
+    model_cfg = dataclasses.replace(
+        f32_cfg, dtype=args.dtype, decode_attention=args.decode_attention
+    )
     task = ArithmeticTask(tok, max_response_length=args.length, max_prompt_length=64, seed=0)
     batch = task.train_batch(0, 8)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
@@ -60,9 +66,10 @@ def main():
             samples=n,
             forced_length=jnp.full((ids.shape[0] * n,), r, jnp.int32),
         )
-        scored = logprobs.response_outputs(
-            model_cfg, params, rows_ids, rows_mask, out.response_ids, out.response_mask, group=n
+        score = lambda group: logprobs.response_outputs(
+            model_cfg, params, rows_ids, rows_mask, out.response_ids, out.response_mask, group=group
         )["log_prob"]
+        scored = score(n)
         full = jnp.concatenate([rows_ids, out.response_ids], 1)
         full_mask = jnp.concatenate([rows_mask, out.response_mask], 1)
         logits = transformer.forward(f32_cfg, params, full, full_mask)[:, ids.shape[1] - 1 : -1]
@@ -71,18 +78,22 @@ def main():
         )[..., 0]
         m = out.response_mask.astype(bool)
 
-        def gap(ref):  # mean and largest |difference| over the response tokens
-            d = jnp.where(m, jnp.abs(out.log_probs - ref), 0.0)
+        def gap(ref, of=out.log_probs):  # mean and largest |difference| over the response tokens
+            d = jnp.where(m, jnp.abs(of - ref), 0.0)
             return jnp.sum(d) / jnp.sum(m), jnp.max(d)
 
-        return {"scoring": gap(scored), "float32": gap(exact)}
+        return {"scoring": gap(scored), "float32": gap(exact), "floor": gap(scored, score(1))}
 
     results = [jax.device_get(gaps(params, jax.random.key(s))) for s in range(args.seeds)]
-    for ref in ("scoring", "float32"):
+    what = {
+        "scoring": f"rollout ({args.decode_attention}) vs the scoring forward",
+        "float32": f"rollout ({args.decode_attention}) vs the float32 forward",
+        "floor": "floor: the scoring forward, prompts per row vs shared",
+    }
+    for ref, label in what.items():
         mean = np.mean([x[ref][0] for x in results])
         worst = np.max([x[ref][1] for x in results])
-        gap = f"mean |diff| {mean:.3e}, max {worst:.3e}"
-        print(f"rollout vs the {ref} forward ({args.dtype}): {gap}")
+        print(f"{label} ({args.dtype}): mean |diff| {mean:.3e}, max {worst:.3e}")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def _model(c: ml_collections.ConfigDict) -> None:
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
     # Forward a group's prompt once for its n responses in the scoring forwards, and in the update
     # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
-    # (jrl.logprobs.prompt_group):
+    # (jrl.batching.prompt_groups):
     c.model.shared_prompt_forward = True
     # Static response lengths below R (e.g. (R // 4, R // 2)) that the scoring and update forwards
     # trim to: rows are ordered by response length into micro-batches, and each micro-batch runs
