@@ -97,13 +97,13 @@ def response_outputs(
     p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
     if group > 1 and grouped_forward_suits(model_cfg, length):
         prompts = slice(None, None, group)  # the first row of each group
-        hidden, head, values, _ = transformer.grouped_response_forward(
+        hidden, head, values, *_ = transformer.grouped_response_forward(
             model_cfg, params, prompt_ids_BP[prompts], prompt_mask_BP[prompts], response_ids_BR
         )
     else:
         ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
         mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-        hidden, head, values, _ = transformer.full_forward(model_cfg, params, ids, mask)
+        hidden, head, values, *_ = transformer.full_forward(model_cfg, params, ids, mask)
         hidden, values = hidden[:, p - 1 : -1], None if values is None else values[:, p - 1 : -1]
     out = {}
     if head is not None:

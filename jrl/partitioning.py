@@ -1,10 +1,11 @@
 """Logical axis names -> mesh PartitionSpecs, and host arrays -> sharded jax.Arrays.
 
 The layer below both the model code and `jrl.sharding`: it imports nothing from jrl. Model code
-names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"; see
-`jrl.models.transformer.logical_axes`); batches and the KV cache use "batch". Rules map each
-logical axis onto mesh axes, flax style: a sequence of (logical name, mesh axis | tuple of mesh
-axes | None) pairs. `jrl.sharding` builds meshes and the shardings of whole train states on top.
+names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers",
+"expert"; see `jrl.models.transformer.logical_axes`); batches and the KV cache use "batch". Rules
+map each logical axis onto mesh axes, flax style: a sequence of (logical name, mesh axis | tuple
+of mesh axes | None) pairs. `jrl.sharding` builds meshes and the shardings of whole train states
+on top.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", None),  # the stacked decoder blocks' leading axis
+    ("expert", None),  # the experts of a sparse layer (jrl.models.transformer.MoE): replicated
 )
 
 # Logical names of a KV-cache entry [B, K, S, D] (jrl.models.transformer.init_cache).

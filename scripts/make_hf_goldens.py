@@ -1,13 +1,17 @@
 """Writes the Hugging Face parity goldens of tests/hf_test.py (needs torch and transformers).
 
-    python scripts/make_hf_goldens.py [--out tests/golden]
+    python scripts/make_hf_goldens.py [--out tests/golden] [--only qwen3_moe,mixtral]
 
-For every family in FAMILIES: a tiny randomly initialised transformers causal LM (weights rounded
-to bfloat16, kept small on disk by saving in bfloat16; the float32 path is covered by the tests'
-round trips), saved with `save_pretrained` under <out>/<family>/, plus its float32 logits on
-<out>/input_ids.npy with <out>/attention_mask.npy (row 1 left-padded) as <out>/<family>/logits.npy.
-Position ids skip the left padding, as jrl numbers them. Eager attention; every weight is drawn
-with a scale large enough that norms, soft-caps and sliding windows change the logits.
+For every entry of FAMILIES (or those --only names): a tiny randomly initialised transformers
+causal LM (weights rounded to bfloat16, kept small on disk by saving in bfloat16; the float32
+path is covered by the tests' round trips), saved with `save_pretrained` under <out>/<name>/,
+plus its float32 logits on <out>/input_ids.npy with <out>/attention_mask.npy (row 1 left-padded)
+as <out>/<name>/logits.npy. An entry is named by its family (`model_type`), or by a name of its
+own for a second checkpoint of a family (MOE_VARIANTS). Position ids skip the left padding, as
+jrl numbers them. Eager attention; every weight is drawn with a scale large enough that norms,
+soft-caps, sliding windows and the routers' choices change the logits. A mixture of experts also
+gets <out>/<name>/aux_loss.npy: transformers' load-balancing loss (`output_router_logits`) on
+the same batch, its padding masked.
 """
 
 import argparse
@@ -92,7 +96,47 @@ FAMILIES = {
         ),
         torch.bfloat16,
     ),
+    # layer 0 sparse (8 experts of width 16, top 2, weights not renormalised), layer 1 dense
+    "qwen3_moe": (
+        {
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+        torch.bfloat16,
+    ),
+    # every layer sparse (4 experts of width intermediate_size, top 2), sliding window 4
+    "mixtral": (
+        {
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+        },
+        torch.bfloat16,
+    ),
 }
+# name -> (family, config fields, save dtype): a second checkpoint of a family.
+MOE_VARIANTS = {
+    # layer 0 dense, layer 1 sparse by decoder_sparse_step, top-2 weights renormalised
+    "qwen3_moe_topk_norm": (
+        "qwen3_moe",
+        {
+            **FAMILIES["qwen3_moe"][0],
+            "norm_topk_prob": True,
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 2,
+        },
+        torch.bfloat16,
+    ),
+}
+GOLDENS = {**{f: (f, *entry) for f, entry in FAMILIES.items()}, **MOE_VARIANTS}
 
 
 def inputs():
@@ -116,37 +160,47 @@ def randomize(model, seed: int, gemma: bool):
             p.copy_(x.to(torch.bfloat16).float())
 
 
-def make(family: str, out: str, ids, mask):
-    fields, save_dtype = FAMILIES[family]
+def make(name: str, out: str, ids, mask):
+    family, fields, save_dtype = GOLDENS[name]
     config = transformers.AutoConfig.for_model(family, **{**COMMON, **fields})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model.eval()
-    randomize(model, seed=len(family), gemma=family.startswith("gemma"))
+    randomize(model, seed=len(name), gemma=family.startswith("gemma"))
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    experts = hasattr(config, "num_experts_per_tok")
     with torch.no_grad():
-        logits = model(
+        result = model(
             input_ids=torch.tensor(ids),
             attention_mask=torch.tensor(mask),
             position_ids=torch.tensor(positions),
-        ).logits.numpy()
-    path = os.path.join(out, family)
+            **({"output_router_logits": True} if experts else {}),
+        )
+    logits = result.logits.numpy()
+    path = os.path.join(out, name)
     model.to(save_dtype).save_pretrained(path)
     np.save(os.path.join(path, "logits.npy"), logits.astype(np.float32))
-    print(f"{family}: {path}, logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}")
+    if experts:
+        np.save(os.path.join(path, "aux_loss.npy"), result.aux_loss.numpy().astype(np.float32))
+    print(f"{name}: {path}, logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join("tests", "golden"))
+    parser.add_argument("--only", default="", help="comma-separated names (default: all)")
     args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(GOLDENS)
+    unknown = sorted(set(names) - set(GOLDENS))
+    if unknown:
+        parser.error(f"unknown names {unknown}; valid: {', '.join(GOLDENS)}")
     os.makedirs(args.out, exist_ok=True)
     ids, mask = inputs()
     np.save(os.path.join(args.out, "input_ids.npy"), ids.astype(np.int32))
     np.save(os.path.join(args.out, "attention_mask.npy"), mask.astype(np.int32))
-    for family in FAMILIES:
-        make(family, args.out, ids, mask)
+    for name in names:
+        make(name, args.out, ids, mask)
 
 
 if __name__ == "__main__":

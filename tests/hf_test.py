@@ -247,7 +247,7 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
     with pytest.raises(
         ValueError,
         match="unknown Hugging Face model_type 'gpt2'.*valid names are gemma2, gemma3_text, "
-        "llama, mistral, qwen2, qwen3",
+        "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe",
     ):
         hf.load_pretrained(path)
 

@@ -190,7 +190,7 @@ def test_warmup_trains_the_models_tokens_not_the_tools(tok):
 
     # Reference: both prompts have 3-digit operands, so no padding; a plain causal forward.
     seq = np.concatenate([batch["input_ids"], batch["sft_ids"]], axis=1)
-    hidden, head, _, _ = transformer.full_forward(model_cfg, params, seq, np.ones_like(seq))
+    hidden, head, *_ = transformer.full_forward(model_cfg, params, seq, np.ones_like(seq))
     logp = jax.nn.log_softmax(transformer.lm_logits(model_cfg, hidden, head), axis=-1)
     p = batch["input_ids"].shape[1]
     target_logp = np.take_along_axis(

@@ -1,17 +1,27 @@
 """Hugging Face checkpoints in and out: `config.json` + safetensors <-> (ModelConfig, params).
 
 Supported `model_type`s: llama (Llama 2 / 3.x), mistral, qwen2 (Qwen2 / Qwen2.5), qwen3, gemma2,
-gemma3_text (Gemma 3 text-only checkpoints). `config.json` is parsed by transformers' own config
-classes, so old and new field spellings (`rope_theta` / `rope_scaling` / `rope_parameters`,
-missing `layer_types`, ...) get the defaults transformers gives them. Weights are read with the
-`safetensors` library (numpy, bfloat16 through ml_dtypes); torch is never needed. Loading streams:
-one tensor at a time is read, converted and placed (on a device, or into its shards with
-`load_pretrained(..., shardings=...)`), so no host holds the whole model.
+gemma3_text (Gemma 3 text-only checkpoints), and the mixtures of experts qwen3_moe (Qwen3-MoE)
+and mixtral. `config.json` is parsed by transformers' own config classes, so old and new field
+spellings (`rope_theta` / `rope_scaling` / `rope_parameters`, missing `layer_types`, ...) get the
+defaults transformers gives them. Weights are read with the `safetensors` library (numpy,
+bfloat16 through ml_dtypes); torch is never needed. Loading streams: one tensor at a time is read,
+converted and placed (on a device, or into its shards with `load_pretrained(..., shardings=...)`),
+so no host holds the whole model (a sparse layer's experts: one layer's [E, ...] at a time).
 
 Weight layouts (HF `nn.Linear` stores [out, in]):
   q/k/v_proj.weight [N*D, H] <-> attn/{q,k,v}_proj [H, N, D];  biases [N*D] <-> [N, D]
   o_proj.weight [H, N*D] <-> attn/o_proj [N, D, H];  MLP and lm_head weights are transposed.
   Norm weights are copied as stored (Gemma's (1 + w) offset lives in `norm_unit_offset`).
+  Experts (the released checkpoints' layout, which transformers 5's `save_pretrained` writes
+  too): one [out, in] tensor per expert and projection, Qwen3-MoE's
+  `mlp.experts.{e}.{gate,up,down}_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.
+  {w1,w3,w2}.weight` (gate, up, down) <-> moe/{gate,up}_proj [E, H, I], moe/down_proj [E, I, H],
+  one tensor a projection, stacked over the experts; the router `mlp.gate.weight` (Mixtral:
+  `block_sparse_moe.gate.weight`) [E, H] <-> moe/router [H, E]. Checkpoints holding the experts
+  fused as transformers 5 does in memory (`save_pretrained(save_original_format=False)`:
+  `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) load too
+  (`_unfused`); export writes the per-expert layout.
 """
 
 from __future__ import annotations
@@ -20,8 +30,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -141,6 +152,67 @@ def _read_gemma3(c) -> dict:
     return {**_read_gemma2(c), "attn_logit_softcapping": None}
 
 
+def _read_experts(c, num_experts) -> dict:
+    return {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(c.num_experts_per_tok),
+        "router_aux_loss_coef": float(c.router_aux_loss_coef),
+        "output_router_logits": bool(c.output_router_logits),
+    }
+
+
+# ModelConfig fields both families write to config.json under their own names.
+_EXPERT_FIELDS = (
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "sliding_window",
+)
+
+
+def _fields(cfg: tfm.ModelConfig, names) -> dict:
+    return {name: getattr(cfg, name) for name in names}
+
+
+def _read_qwen3_moe(c) -> dict:
+    """Qwen3-MoE: Qwen3's attention (one window on every layer with use_sliding_window), and
+    experts on the layers that decoder_sparse_step and mlp_only_layers leave sparse."""
+    _check_false(c, "attention_bias")
+    width = int(c.moe_intermediate_size)
+    return {
+        **_read_mistral(c),
+        **_read_experts(c, c.num_experts),
+        "moe_intermediate_size": None if width == c.intermediate_size else width,
+        "norm_topk_prob": bool(c.norm_topk_prob),
+        "decoder_sparse_step": int(c.decoder_sparse_step),
+        "mlp_only_layers": tuple(sorted(int(i) for i in c.mlp_only_layers or ())),
+    }
+
+
+def _write_qwen3_moe(cfg: tfm.ModelConfig) -> dict:
+    same = ("num_experts", "norm_topk_prob", "decoder_sparse_step")
+    return {
+        **_fields(cfg, _EXPERT_FIELDS + same),
+        "moe_intermediate_size": cfg.expert_size,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+        "use_sliding_window": cfg.sliding_window is not None,
+    }
+
+
+def _read_mixtral(c) -> dict:
+    """Mixtral: Mistral's attention, every layer sparse, experts intermediate_size wide."""
+    if getattr(c, "router_jitter_noise", 0.0):
+        raise ValueError(
+            f"mixtral checkpoints with router_jitter_noise={c.router_jitter_noise} are not "
+            "supported: jrl's router adds no noise; set it to 0 in config.json."
+        )
+    return {**_read_mistral(c), **_read_experts(c, c.num_local_experts)}
+
+
+def _write_mixtral(cfg: tfm.ModelConfig) -> dict:
+    return {**_fields(cfg, _EXPERT_FIELDS), "num_local_experts": cfg.num_experts}
+
+
 def _int_if_whole(x: float):
     """transformers types some float-valued fields as int; whole numbers go in as ints."""
     return int(x) if float(x).is_integer() else x
@@ -202,6 +274,12 @@ FAMILIES = Registry(
             _write_gemma3,
             act_key="hidden_activation",
         ),
+        "qwen3_moe": Family(
+            "Qwen3MoeForCausalLM", {"qk_norm": True}, _read_qwen3_moe, _write_qwen3_moe
+        ),
+        "mixtral": Family(
+            "MixtralForCausalLM", {"norm_topk_prob": True}, _read_mixtral, _write_mixtral
+        ),
     },
 )
 
@@ -259,6 +337,8 @@ def infer_model_type(cfg: tfm.ModelConfig) -> str:
     """The Hugging Face family a ModelConfig exports as: `hf_model_type`, else from its features."""
     if cfg.hf_model_type:
         return cfg.hf_model_type
+    if cfg.num_experts:
+        return "qwen3_moe" if cfg.qk_norm else "mixtral"
     if cfg.sandwich_norms:
         return "gemma3_text" if cfg.qk_norm else "gemma2"
     if cfg.qk_norm:
@@ -276,6 +356,7 @@ _NOT_ARCHITECTURE = (
     "init_std",
     "hf_model_type",
     "max_position_embeddings",
+    "moe_matmul",
     *tfm.COMPUTE_FIELDS,
 )
 _ROPE_SCALING_FIELDS = (
@@ -354,7 +435,8 @@ _LAYOUTS: dict[str, tuple[Callable, Callable]] = {
 def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
     """jrl parameter path -> (HF tensor name, layout) for every parameter but the value head.
     Paths under "layers" are the decoder blocks' parameters, stacked over layers (leading axis):
-    their HF name has a "{i}" for the layer (`model.layers.{i}.mlp.up_proj.weight`)."""
+    their HF name has a "{i}" for the layer (`model.layers.{i}.mlp.up_proj.weight`), an
+    expert's also an "{e}" for the expert (its tensors stacked over the experts)."""
     table = {
         ("embed",): ("model.embed_tokens.weight", "copy"),
         ("final_norm", "scale"): ("model.norm.weight", "copy"),
@@ -379,20 +461,50 @@ def weight_names(cfg: tfm.ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]
     if cfg.qk_norm:
         for p in ("q", "k"):
             table[(jrl, "attn", f"{p}_norm", "scale")] = (hf + f"self_attn.{p}_norm.weight", "copy")
-    for p in ("gate", "up", "down"):
+    kinds = cfg.mlp_kinds()
+    for p in ("gate", "up", "down") if False in kinds else ():
         table[(jrl, "mlp", f"{p}_proj")] = (hf + f"mlp.{p}_proj.weight", "transpose")
+    if True in kinds:  # the sparse layers' router and experts
+        mixtral = infer_model_type(cfg) == "mixtral"
+        block = hf + ("block_sparse_moe." if mixtral else "mlp.")
+        table[(jrl, "moe", "router")] = (block + "gate.weight", "transpose")
+        for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            expert = f"experts.{{e}}.{w}.weight" if mixtral else f"experts.{{e}}.{p}_proj.weight"
+            table[(jrl, "moe", f"{p}_proj")] = (block + expert, "transpose")
     for name, hf_name in norms.items():
         table[(jrl, name, "scale")] = (hf + hf_name + ".weight", "copy")
     return table
 
 
-def hf_tensors(cfg: tfm.ModelConfig, key: tuple[str, ...], shape) -> list[tuple[str, str, tuple]]:
-    """[(HF name, layout, jrl shape of that tensor)] making up the parameter at `key` of `shape`:
-    one tensor, or one per layer (in order) for a stacked block parameter."""
+class Part(NamedTuple):
+    """The HF tensors of one jrl value: a whole parameter, or one layer of a stacked one."""
+
+    names: tuple[str, ...]  # one tensor; one per expert (`experts`); none: zeros, no tensor
+    layout: str  # a key of _LAYOUTS
+    shape: tuple[int, ...]  # the jrl shape of one tensor (of the whole value when none)
+    experts: bool = False  # one tensor per expert, stacked on a leading [E] axis
+
+
+def hf_tensors(cfg: tfm.ModelConfig, key: tuple[str, ...], shape) -> list[Part]:
+    """The `Part`s making up the parameter at `key` of `shape`: one, or one per layer (in
+    order) for a stacked block parameter. In a model with both dense and sparse layers every
+    layer holds both MLPs (`tfm.Block`); a layer's unused one has no tensor (zeros in jrl,
+    nothing written)."""
     hf, layout = weight_names(cfg)[key]
     if key[0] != "layers":
-        return [(hf, layout, tuple(shape))]
-    return [(hf.format(i=i), layout, tuple(shape[1:])) for i in range(cfg.num_layers)]
+        return [Part((hf,), layout, tuple(shape))]
+    layer_shape = tuple(shape[1:])
+    kind = {"mlp": False, "moe": True}.get(key[1])
+    parts = []
+    for i in range(cfg.num_layers):
+        if kind is not None and cfg.is_sparse(i) != kind:
+            parts.append(Part((), layout, layer_shape))
+        elif "{e}" in hf:
+            names = tuple(hf.format(i=i, e=e) for e in range(cfg.num_experts))
+            parts.append(Part(names, layout, layer_shape[1:], experts=True))
+        else:
+            parts.append(Part((hf.format(i=i),), layout, layer_shape))
+    return parts
 
 
 def _hf_shape(layout: str, shape) -> tuple[int, ...]:
@@ -561,10 +673,11 @@ def load_tensors(
 ) -> Any:
     """The params of `cfg` read from `source` one tensor at a time (as `load_pretrained` says);
     names, shapes and unexpected tensors are checked before any tensor is read."""
+    source = _unfused(cfg, source)
     stored = source.shapes()
     shapes = traverse_util.flatten_dict(abstract_params(cfg))
     tensors = {key: hf_tensors(cfg, key, shape.shape) for key, shape in shapes.items()}
-    names = [hf for parts in tensors.values() for hf, _, _ in parts]
+    names = [hf for parts in tensors.values() for part in parts for hf in part.names]
     missing = [hf for hf in names if hf not in stored]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensors: {', '.join(missing[:8])}.")
@@ -575,24 +688,86 @@ def load_tensors(
             f"checkpoint {path!r} has tensors jrl's {cfg.hf_model_type} decoder does not use: "
             f"{', '.join(sorted(unexpected)[:8])}."
         )
-    for hf, layout, shape in (t for parts in tensors.values() for t in parts):
-        want = _hf_shape(layout, shape)
-        if tuple(stored[hf]) != want:
-            raise ValueError(
-                f"tensor {hf} has shape {tuple(stored[hf])}, the config implies {want}."
-            )
+    for part in (part for parts in tensors.values() for part in parts):
+        want = _hf_shape(part.layout, part.shape)
+        for hf in part.names:
+            if tuple(stored[hf]) != want:
+                raise ValueError(
+                    f"tensor {hf} has shape {tuple(stored[hf])}, the config implies {want}."
+                )
     placements = _flat_shardings(shardings, shapes)
     place = place or partitioning.put
     host = jax.numpy.dtype(dtype)
-    read = lambda hf, layout, shape: _LAYOUTS[layout][1](source.read(hf), shape).astype(host)
+    convert = _LAYOUTS
+    read = lambda hf, part: convert[part.layout][1](source.read(hf), part.shape).astype(host)
+
+    def value(part: Part) -> np.ndarray:
+        if not part.experts:
+            return read(part.names[0], part) if part.names else np.zeros(part.shape, host)
+        out = np.empty((len(part.names), *part.shape), host)  # one layer's experts
+        for e, hf in enumerate(part.names):
+            out[e] = read(hf, part)
+        return out
+
     flat = {}
     for key, parts in tensors.items():
         if key[0] != "layers":
-            flat[key] = _place(read(*parts[0]), placements[key], place)
+            flat[key] = _place(value(parts[0]), placements[key], place)
         else:  # stacked: filled on the devices one layer at a time
-            layers = (read(*part) for part in parts)
+            layers = (value(part) for part in parts)
             flat[key] = _place_stacked(layers, shapes[key].shape, dtype, placements[key], place)
     return traverse_util.unflatten_dict(flat)
+
+
+# transformers 5's in-memory experts (`save_pretrained(save_original_format=False)` writes them)
+_FUSED = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _unfused(cfg: tfm.ModelConfig, source: TensorSource) -> TensorSource:
+    """`source` with fused experts seen as the per-expert tensors `weight_names` names: a
+    layer's `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows)
+    as `experts.{e}.gate_proj.weight` and `up_proj.weight` [I, H], `mlp.experts.down_proj`
+    [E, H, I] as `experts.{e}.down_proj.weight` [H, I]; Mixtral's under `block_sparse_moe.`
+    as w1 / w3 / w2, with its router `mlp.gate.weight`. The host keeps one fused tensor, the
+    one being read. `source` unchanged when it has none."""
+    stored = source.shapes()
+    fused = {n: m.groups() for n in stored if (m := _FUSED.match(n))}
+    if not fused:
+        return source
+    mixtral = infer_model_type(cfg) == "mixtral"
+    block = "block_sparse_moe." if mixtral else "mlp."
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {}
+    virtual = {}  # per-expert name -> (fused name, index into it, shape)
+    for n, (layer, what) in fused.items():
+        num_experts, rows, cols = stored[n]
+        halves = {"down": slice(None)}
+        if what == "gate_up_proj":
+            halves = {"gate": slice(0, rows // 2), "up": slice(rows // 2, rows)}
+        for e in range(num_experts):
+            for p, part in halves.items():
+                shape = (rows if p == "down" else rows // 2, cols)
+                name = f"{layer}{block}experts.{e}.{names.get(p, p + '_proj')}.weight"
+                virtual[name] = (n, (e, part), shape)
+        router = f"{layer}mlp.gate.weight"
+        if mixtral and router in stored:
+            virtual[f"{layer}{block}gate.weight"] = (router, (), tuple(stored[router]))
+    hidden = {n for n, _, _ in virtual.values()}
+    last: dict[str, np.ndarray] = {}
+
+    def read(name: str) -> np.ndarray:
+        if name not in virtual:
+            return source.read(name)
+        n, index, _ = virtual[name]
+        if n not in last:
+            last.clear()
+            last[n] = source.read(n)
+        return np.ascontiguousarray(last[n][index])
+
+    def shapes() -> dict[str, tuple[int, ...]]:
+        out = {n: shape for n, shape in stored.items() if n not in hidden}
+        return {**out, **{name: shape for name, (_, _, shape) in virtual.items()}}
+
+    return TensorSource(shapes=shapes, read=read)
 
 
 def _place_stacked(layers, shape, dtype: str, sharding, place: Place) -> jax.Array:
@@ -641,10 +816,14 @@ def save_pretrained(
     tensors = {}
     for key in weight_names(model_config):
         parts = hf_tensors(model_config, key, flat[key].shape)
-        for i, (hf, layout, _) in enumerate(parts):
+        for i, part in enumerate(parts):
+            if not part.names:  # the unused MLP of a layer (see hf_tensors)
+                continue
             value = flat[key] if key[0] != "layers" else flat[key][i]  # one layer of a stack
             value = np.asarray(jax.device_get(value)).astype(jax.numpy.dtype(dtype))
-            tensors[hf] = np.ascontiguousarray(_LAYOUTS[layout][0](value))
+            values = value if part.experts else value[None]
+            for hf, v in zip(part.names, values):
+                tensors[hf] = np.ascontiguousarray(_LAYOUTS[part.layout][0](v))
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:

@@ -83,6 +83,8 @@ def init_adapters(base, targets, rank: int, key) -> dict:
     out: dict = {}
     for i, name in enumerate(targets):
         module, num_in = TARGETS[name]
+        if module not in base["layers"]:  # no dense MLP (every layer a mixture of experts)
+            continue
         w = base["layers"][module][name]
         layers, shape_in, shape_out = w.shape[0], w.shape[1 : 1 + num_in], w.shape[1 + num_in :]
         bound = 1.0 / math.sqrt(math.prod(shape_in))

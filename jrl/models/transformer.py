@@ -1,5 +1,5 @@
 """One decoder-only transformer for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 / Gemma 3
-families.
+families and the Qwen3-MoE / Mixtral mixtures of experts.
 
 RMSNorm, rotary position embeddings (default, linear or llama3 scaling), grouped-query attention,
 a gated MLP (SwiGLU or GeGLU), optional q/k/v bias, tied or untied embeddings, an optional scalar
@@ -8,8 +8,11 @@ Gemma 3), RMSNorm scaling by (1 + w) (Gemma), the embedding scaled by sqrt(hidde
 norms on the attention and MLP outputs too (Gemma 2/3: four norms per block), attention and final
 logit soft-capping (Gemma 2), a query scale other than 1/sqrt(head_dim) (Gemma), sliding-window
 attention on all layers (Mistral) or on a per-layer pattern (Gemma 2/3, Qwen), and a separate rope
-theta for the sliding layers (Gemma 3). Every parameter carries logical axis names ("vocab",
-"embed", "heads", "kv_heads", "head_dim", "mlp") that `jrl.sharding` maps onto a device mesh.
+theta for the sliding layers (Gemma 3), and sparse MLPs (`MoE`, `num_experts` > 0: a router
+and SwiGLU experts on the layers `ModelConfig.is_sparse` names; maths in `jrl.models.moe`), whose
+routing a forward reports (`Output.routing`) and can take from elsewhere (routing replay).
+Every parameter carries logical axis names ("vocab", "embed", "heads", "kv_heads", "head_dim",
+"mlp", "expert") that `jrl.sharding` maps onto a device mesh.
 
 The decoder blocks' parameters are stacked: `params["layers"]` is one block's tree with a
 leading [num_layers] axis (logical name "layers"; `jrl.models.hf` maps layer i to Hugging Face's
@@ -62,6 +65,7 @@ import numpy as np
 
 from jrl import partitioning
 from jrl.models import attention as attention_lib
+from jrl.models import moe
 from jrl.registry import Registry
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -170,6 +174,15 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int = 8192  # llama3: the pre-training context
     max_position_embeddings: int = 8192  # recorded for export; no limit is enforced
+    # Mixture of experts (Qwen3-MoE, Mixtral; `MoE`, `jrl.models.moe`); 0 experts: dense.
+    num_experts: int = 0  # experts of a sparse layer (HF num_experts / num_local_experts)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top k)
+    moe_intermediate_size: int | None = None  # an expert's width; None: intermediate_size
+    norm_topk_prob: bool = False  # top-k weights divided by their sum (Qwen3-MoE; Mixtral: on)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % this == 0 (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers with the dense MLP instead (Qwen3-MoE)
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (HF's field)
+    output_router_logits: bool = False  # HF: whether training adds that loss (see moe.py)
     hf_model_type: str | None = None  # family written on export; None: inferred from features
     # How to compute (COMPUTE_FIELDS): the same function whatever these are.
     remat: str = "none"  # a key of REMAT_POLICIES: none | block | dots
@@ -178,6 +191,8 @@ class ModelConfig:
     # decode attention over the KV cache (jrl.models.attention.DECODE_IMPLEMENTATIONS)
     decode_attention: str = "blockwise"
     logits_chunk_size: int = 0  # positions per log-prob / entropy chunk; 0: all at once
+    # the experts' grouped matmul (jrl.models.moe.MATMULS); not a run config field yet
+    moe_matmul: str = "auto"
 
     @property
     def head_size(self) -> int:
@@ -186,6 +201,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.layer_types is not None and not isinstance(self.layer_types, tuple):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if not isinstance(self.mlp_only_layers, tuple):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
@@ -198,6 +215,7 @@ class ModelConfig:
         REMAT_POLICIES.get(self.remat)
         attention_lib.IMPLEMENTATIONS.get(self.attention)
         attention_lib.DECODE_IMPLEMENTATIONS.get(self.decode_attention)
+        moe.MATMULS.get(self.moe_matmul)
         if self.attention_block_size < 1 or self.logits_chunk_size < 0:
             raise ValueError(
                 f"model.attention_block_size={self.attention_block_size} must be >= 1 and "
@@ -215,6 +233,52 @@ class ModelConfig:
             raise ValueError(
                 f"model.sliding_window={self.sliding_window} must be >= 1, or None for no window."
             )
+        self._check_experts()
+
+    def _check_experts(self):
+        if self.num_experts < 0:
+            raise ValueError(f"model.num_experts={self.num_experts} must be >= 0 (0: dense).")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                f"model.num_experts={self.num_experts}]."
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be >= 1.")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(
+                f"model.mlp_only_layers={list(self.mlp_only_layers)} names layers outside "
+                f"[0, model.num_layers={self.num_layers})."
+            )
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size < 1:
+            raise ValueError(
+                f"model.moe_intermediate_size={self.moe_intermediate_size} must be >= 1, or "
+                "None for model.intermediate_size."
+            )
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's width (I)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts (Qwen3-MoE's rule; every layer of
+        Mixtral): experts exist, the layer is not in mlp_only_layers and (layer + 1) is a
+        multiple of decoder_sparse_step."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The sparse layers, in order (`Output.routing` stacks them)."""
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    def mlp_kinds(self) -> tuple[bool, ...]:
+        """The MLP kinds among the layers, sorted: (False,) dense only, (True,) sparse only,
+        (False, True) both (the params then hold both in every layer; see `MoE`)."""
+        return tuple(sorted({self.is_sparse(i) for i in range(self.num_layers)}))
 
     def layer_kinds(self) -> tuple[bool, ...]:
         """The attention kinds among the layers, sorted: (False,) full only, (True,) sliding
@@ -528,6 +592,48 @@ class MLP(nn.Module):
         return proj("down_proj", down, y).reshape(x.shape)
 
 
+class MoE(nn.Module):
+    """The sparse MLP of Qwen3-MoE / Mixtral (`jrl.models.moe` has the maths): a router [H, E]
+    and E SwiGLU experts stacked one tensor per projection, gate / up [E, H, I] and down
+    [E, I, H] (logical axis "expert" first).
+
+    `__call__(x [B, L, H], routing=None, token_mask=None)` -> (y [B, L, H], `moe.Routing`):
+    `routing` [B, L, k] int32 replaces the router's own top k (routing replay); `token_mask`
+    [B, L] marks the real tokens the load-balancing statistics count (None: all)."""
+
+    cfg: ModelConfig
+    decode: bool = False  # `product`'s: the rollout's forwards
+
+    @nn.compact
+    def __call__(self, x, routing=None, token_mask=None):
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        e, h, f, k = cfg.num_experts, cfg.hidden_size, cfg.expert_size, cfg.num_experts_per_tok
+        router = _param(self, "router", (h, e), ("embed", None), cfg)
+        gate = _param(self, "gate_proj", (e, h, f), ("expert", "embed", "mlp"), cfg)
+        up = _param(self, "up_proj", (e, h, f), ("expert", "embed", "mlp"), cfg)
+        down = _param(self, "down_proj", (e, f, h), ("expert", "mlp", "embed"), cfg)
+        x2 = x.reshape(-1, h)
+        logits = product("th,he->te", x2, router, dt, self.decode)
+        given = None if routing is None else routing.reshape(-1, k)
+        experts, weights, probs, own = moe.route(logits, k, cfg.norm_topk_prob, given)
+        act = ACTIVATIONS.get(cfg.hidden_act)
+        y = moe.experts_forward(
+            x2, experts, weights, gate, up, down, act, dt, self.decode, cfg.moe_matmul
+        )
+        valid = None if token_mask is None else token_mask.reshape(-1)
+        stats = moe.routing_stats(own, probs, valid)
+        return y.reshape(x.shape), moe.Routing(own.reshape(*x.shape[:-1], k), *stats)
+
+
+def _no_routing(cfg: ModelConfig, x) -> moe.Routing:
+    """A dense layer's `moe.Routing` in a model with sparse ones: zeros of the same shapes."""
+    e = cfg.num_experts
+    zeros = jnp.zeros((e,), jnp.float32)
+    experts = jnp.zeros((*x.shape[:-1], cfg.num_experts_per_tok), jnp.int32)
+    return moe.Routing(experts, zeros, zeros, jnp.zeros((), jnp.float32))
+
+
 class Block(nn.Module):
     """Pre-norm block; with `sandwich_norms` the attention / MLP outputs are normed as well.
 
@@ -536,15 +642,32 @@ class Block(nn.Module):
     on the outputs (Gemma's post_attention_layernorm / post_feedforward_layernorm).
 
     `sliding`: whether this layer attends through the sliding window (`_by_kind`); `rope`: the
-    forward's `rope_tables`.
-    Returns (x, the layer's updated KV cache or None): the form of a `scan` body over layers.
+    forward's `rope_tables`. A model with experts (`num_experts`) also passes `sparse`, whether
+    this layer's MLP is the `MoE` ("moe"; else the dense "mlp"), a bool or traced like
+    `sliding`, the layer's replayed experts `routing` [B, L, k] (or None) and the `token_mask`
+    [B, L] its routing statistics count. A model with both kinds of layer holds both MLPs'
+    parameters in every layer (the stack is one tree), each layer using one: `nn.cond` picks
+    it inside the scan over layers, as `_by_kind` does the attention.
+    Returns (x, (the layer's updated KV cache or None, its `moe.Routing` or None)): the form of
+    a `scan` body over layers.
     """
 
     cfg: ModelConfig
     decode: bool = False  # `product`'s: the rollout's forwards
 
     @nn.compact
-    def __call__(self, x, sliding, rope, mask=None, cache=None, cache_index=None):
+    def __call__(
+        self,
+        x,
+        sliding,
+        rope,
+        mask=None,
+        cache=None,
+        cache_index=None,
+        sparse=None,
+        routing=None,
+        token_mask=None,
+    ):
         cfg = self.cfg
         a, cache = Attention(cfg, self.decode, name="attn")(
             RMSNorm(cfg, name="input_norm")(x),
@@ -557,10 +680,25 @@ class Block(nn.Module):
         if cfg.sandwich_norms:
             a = RMSNorm(cfg, name="attn_out_norm")(a)
         x = x + a
-        m = MLP(cfg, self.decode, name="mlp")(RMSNorm(cfg, name="post_attn_norm")(x))
+        h = RMSNorm(cfg, name="post_attn_norm")(x)
+        if not cfg.num_experts:
+            m, routed = MLP(cfg, self.decode, name="mlp")(h), None
+        else:
+            dense, experts = MLP(cfg, self.decode, name="mlp"), MoE(cfg, self.decode, name="moe")
+            use_dense = lambda _, h: (dense(h), _no_routing(cfg, h))
+            use_experts = lambda _, h: experts(h, routing, token_mask)
+            kinds = cfg.mlp_kinds()
+            if len(kinds) == 1 or isinstance(sparse, (bool, np.bool_)):
+                one_kind = kinds[0] if len(kinds) == 1 else bool(sparse)
+                m, routed = (use_experts if one_kind else use_dense)(self, h)
+            elif self.is_initializing():  # both kinds' parameters in every layer
+                both = use_dense(self, h), use_experts(self, h)
+                m, routed = jax.tree.map(lambda d, e: jnp.where(sparse, e, d), *both)
+            else:
+                m, routed = nn.cond(sparse, use_experts, use_dense, self, h)
         if cfg.sandwich_norms:
             m = RMSNorm(cfg, name="mlp_out_norm")(m)
-        return _activation(x + m), cache
+        return _activation(x + m), (cache, routed)
 
 
 class Output(NamedTuple):
@@ -569,18 +707,34 @@ class Output(NamedTuple):
     # embeddings) or [H, V] (lm_head); None without an lm head. `lm_logits` takes either.
     values: jax.Array | None  # [B, L] float32 (None: no value head)
     cache: tuple | None  # the updated KV cache (None without one)
+    # A model with experts: its sparse layers' `moe.Routing`, stacked [S, ...] in layer order
+    # (`ModelConfig.sparse_layers`); experts [S, B, L, k]. None for a dense model.
+    routing: moe.Routing | None = None
 
 
 class Transformer(nn.Module):
     """Decoder. `__call__(ids, positions, mask, cache=None, cache_index=None)` -> `Output`;
     `mask` [B, L, S] bool, [B, S] with a cache (`_masked_attention`), or None for a full forward
-    over right-padded rows (causal). `decode`: the rollout's forwards (`product`)."""
+    over right-padded rows (causal). `decode`: the rollout's forwards (`product`).
+
+    A model with experts also takes `routing` [S, B, L, k] int32, experts to use in its S sparse
+    layers instead of their routers' top k (routing replay; None: their own), and `token_mask_BL`
+    [B, L], the real tokens the routing statistics count (None: every token)."""
 
     cfg: ModelConfig
     decode: bool = False
 
     @nn.compact
-    def __call__(self, input_ids_BL, positions_BL, mask_BLS=None, cache=None, cache_index=None):
+    def __call__(
+        self,
+        input_ids_BL,
+        positions_BL,
+        mask_BLS=None,
+        cache=None,
+        cache_index=None,
+        routing=None,
+        token_mask_BL=None,
+    ):
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
@@ -592,19 +746,26 @@ class Transformer(nn.Module):
         length = input_ids_BL.shape[1] if cache is None else cache[0]["k"].shape[2]
         rope = rope_tables(cfg, positions_BL, length)
         policy = REMAT_POLICIES.get(cfg.remat)
+        sparse = np.array([cfg.is_sparse(i) for i in range(cfg.num_layers)])
+        routing = _layer_routing(cfg, routing)
+        routed = None
         if self.is_initializing() or (cache is None and policy is not None):
             # A scan over the layers, each rematerialised: the backward keeps only each layer's
             # input (a loop, unlike an unrolled remat, holds XLA to that on every backend).
             block = Block if policy is None else nn.remat(Block, policy=policy, prevent_cse=False)
+            args, in_axes = (x, sliding, rope, mask_BLS), (0, nn.broadcast, nn.broadcast)
+            if cfg.num_experts:  # + cache, cache_index, sparse, routing, token_mask
+                args += (None, None, sparse, routing, token_mask_BL)
+                in_axes += (nn.broadcast, nn.broadcast, 0, 0, nn.broadcast)
             layers = nn.scan(
                 block,
                 variable_axes={"params": 0, "lora": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast),
+                in_axes=in_axes,
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = layers(cfg, name="layers")(x, sliding, rope, mask_BLS)
+            x, (_, routed) = layers(cfg, name="layers")(*args)
         else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
             layers = self.variables["params"]["layers"]
             adapters = self.variables.get("lora", {}).get("layers")
@@ -612,12 +773,16 @@ class Transformer(nn.Module):
                 stacked = {"layers": layers, "lora": {"layers": adapters}}
                 unstacked = unstack_layers(cfg, stacked, cast=False)
                 layers, adapters = unstacked["layers"], unstacked["lora"]["layers"]
-            new_cache = []
+            new_cache, by_layer = [], []
             for i in range(cfg.num_layers):
                 block_vars = {"params": layers[i]}
                 if adapters is not None:
                     block_vars["lora"] = adapters[i]
-                x, c = Block(cfg, self.decode).apply(
+                moe_args = ()
+                if cfg.num_experts:  # sparse, routing, token_mask
+                    layer_routing = None if routing is None else routing[i]
+                    moe_args = (bool(sparse[i]), layer_routing, token_mask_BL)
+                x, (c, r) = Block(cfg, self.decode).apply(
                     block_vars,
                     x,
                     bool(sliding[i]),
@@ -625,8 +790,12 @@ class Transformer(nn.Module):
                     mask_BLS,
                     None if cache is None else cache[i],
                     cache_index,
+                    *moe_args,
                 )
                 new_cache.append(c)
+                by_layer.append(r)
+            if cfg.num_experts:
+                routed = jax.tree.map(lambda *a: jnp.stack(a), *by_layer)
         x = RMSNorm(cfg, name="final_norm")(x)
         head = values = None
         if cfg.lm_head:
@@ -641,7 +810,24 @@ class Transformer(nn.Module):
             w = _param(self, "value_head", (cfg.hidden_size, 1), ("embed", None), cfg)
             b = _param(self, "value_head_bias", (1,), (None,), cfg, nn.initializers.zeros)
             values = (x @ w.astype(dt) + b.astype(dt))[..., 0].astype(jnp.float32)
-        return Output(x, head, values, None if cache is None else tuple(new_cache))
+        if routed is not None:  # [num_layers, ...] -> the sparse layers' [S, ...]
+            layers_ = cfg.sparse_layers()
+            if len(layers_) < cfg.num_layers:
+                routed = jax.tree.map(lambda a: a[np.array(layers_, int)], routed)
+        cache = None if cache is None else tuple(new_cache)
+        return Output(x, head, values, cache, routed if cfg.sparse_layers() else None)
+
+
+def _layer_routing(cfg: ModelConfig, routing_S):
+    """Replayed experts of every layer [num_layers, B, L, k] from the sparse layers' [S, B, L,
+    k] (zeros at dense layers, which ignore them); None stays None."""
+    if routing_S is None:
+        return None
+    layers = cfg.sparse_layers()
+    if len(layers) == cfg.num_layers:
+        return routing_S
+    full = jnp.zeros((cfg.num_layers, *routing_S.shape[1:]), routing_S.dtype)
+    return full.at[np.array(layers, int)].set(routing_S)
 
 
 def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
@@ -733,9 +919,12 @@ def logical_axes(cfg: ModelConfig) -> Any:
     return nn.get_partition_spec(jax.eval_shape(lambda k: _boxed_init(cfg, k), jax.random.key(0)))
 
 
-def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL) -> Output:
+def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL, routing=None) -> Output:
     """Full forward of rows with left and / or right padding (each row's real tokens consecutive):
     `Output` with hidden [B, L, H] and values [B, L] at the input positions (garbage at padding).
+    A model with experts takes replayed experts `routing` [S, B, L, k] (None: its routers'
+    own) and returns its `Output.routing` at the input positions too, its statistics counting
+    the real tokens only.
 
     Each row is rotated so that its real tokens come first: then causal attention alone is exact
     (the padding sits after every real token) and needs no [B, L, L] mask."""
@@ -745,9 +934,16 @@ def full_forward(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL) -> O
     back = (jnp.arange(l)[None] - start_B[:, None]) % l  # input position s <- aligned slot
     ids = jnp.take_along_axis(input_ids_BL, aligned, axis=1)
     mask = jnp.take_along_axis(attention_mask_BL, aligned, axis=1)
-    out = Transformer(cfg).apply(variables(params), ids, positions_from_mask(mask))
+    moe_args = {}
+    if cfg.num_experts:  # [S, B, L, k] follow their rows' rotation
+        rotate_ = lambda r, slots: jnp.take_along_axis(r, slots[None, :, :, None], axis=2)
+        replay = None if routing is None else rotate_(routing, aligned)
+        moe_args = {"routing": replay, "token_mask_BL": mask}
+    out = Transformer(cfg).apply(variables(params), ids, positions_from_mask(mask), **moe_args)
     hidden = jnp.take_along_axis(out.hidden, back[..., None], axis=1)
     values = None if out.values is None else jnp.take_along_axis(out.values, back, axis=1)
+    if out.routing is not None:
+        out = out._replace(routing=out.routing._replace(experts=rotate_(out.routing.experts, back)))
     return out._replace(hidden=hidden, values=values)
 
 
