@@ -167,17 +167,65 @@ def _qwen7(c):  # Qwen2.5-7B(-Instruct): 7.61B parameters (6.53B without the emb
     c.model.tie_word_embeddings = False  # a separate output head (0.55B more parameters)
 
 
-# Mesh presets. The axes are (data, fsdp, tensor) (jrl/sharding.py); -1 takes the devices the
-# others leave. Why the shapes: FSDP over the chips of one host (their fast links carry the
-# per-layer all-gathers; each chip holds 1/fsdp of the parameters, Adam moments and reference),
-# data parallelism over hosts for the rest (only gradients cross hosts), tensor parallelism never:
-# with FSDP alone every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting
-# heads would add two all-reduces per layer. State per device with the KL-loss reference (float32
+def _qwen3_moe(c):
+    """What Qwen3-MoE checkpoints share (config.json of Qwen/Qwen3-30B-A3B: checked against
+    copies of it in other projects, not the Hub file itself): RMSNorm on queries and keys, no
+    biases, head_dim 128, every layer sparse (decoder_sparse_step 1, no mlp_only_layers), the
+    top-k weights renormalised. jrl/config/schema.py has no mixture-of-experts fields yet, so
+    these presets add them to model.* (trainer.model_config passes model.* on to ModelConfig,
+    whose defaults, 0 experts: dense, hold for every other config)."""
+    c.model.head_dim = 128  # head_dim (32 heads x 128 > hidden 2048: Qwen3's wide projections)
+    c.model.rope_theta = 1_000_000.0  # rope_theta
+    c.model.rms_norm_eps = 1e-6  # rms_norm_eps
+    c.model.qkv_bias = False  # attention_bias: false
+    c.model.qk_norm = True  # Qwen3: RMSNorm over head_dim on every query / key head
+    c.model.tie_word_embeddings = False  # tie_word_embeddings: false
+    c.model.vocab_size = 151936  # vocab_size
+    c.model.num_kv_heads = 4  # num_key_value_heads
+    c.model.norm_topk_prob = True  # norm_topk_prob: the 8 weights divided by their sum
+    c.model.router_aux_loss_coef = 0.001  # router_aux_loss_coef (written on export; see moe.py)
+    c.model.max_position_embeddings = 40960  # max_position_embeddings
+
+
+def _qwen3_30b_a3b(c):  # Qwen3-30B-A3B: 30.5B parameters, 3.35B active per token
+    _hf_model(c, batch_size=32, mini_batch_size=8)  # 488 GB of state with the reference: add
+    # an expert mesh (mesh=v5p-64-ep: 15.3 GB per chip)
+    _qwen3_moe(c)
+    c.model.hidden_size = 2048  # hidden_size
+    c.model.num_layers = 48  # num_hidden_layers
+    c.model.num_heads = 32  # num_attention_heads
+    c.model.intermediate_size = 6144  # intermediate_size (a dense MLP's; no layer has one)
+    c.model.num_experts = 128  # num_experts
+    c.model.num_experts_per_tok = 8  # num_experts_per_tok
+    c.model.moe_intermediate_size = 768  # moe_intermediate_size: each expert's SwiGLU width
+
+
+def _qwen3_moe_small(c):  # a small Qwen3-MoE shape for benches (no such checkpoint): 1.0B
+    # parameters, 0.47B active per token (0.16B without the embeddings)
+    _hf_model(c, batch_size=64, mini_batch_size=16)
+    _qwen3_moe(c)
+    c.model.hidden_size = 1024  # half of 30B-A3B's
+    c.model.num_layers = 16  # a third
+    c.model.num_heads = 16  # half, of the same width (128)
+    c.model.intermediate_size = 3072  # unused: every layer is sparse
+    c.model.num_experts = 32  # a quarter
+    c.model.num_experts_per_tok = 4  # half
+    c.model.moe_intermediate_size = 384  # half
+
+
+# Mesh presets. The axes are (data, fsdp, tensor) (jrl/sharding.py), and with expert parallelism
+# (the -ep presets) (data, fsdp, expert, tensor); -1 takes the devices the others leave. Why the
+# shapes: FSDP over the chips of one host (their fast links carry the per-layer all-gathers;
+# each chip holds 1/fsdp of the parameters, Adam moments and reference), data parallelism over
+# hosts for the rest (only gradients cross hosts), tensor parallelism never: with FSDP alone
+# every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting heads would add two
+# all-reduces per layer. A mixture of experts splits its experts over the expert axis, which is
+# one more FSDP axis for everything else. State per device with the KL-loss reference (float32
 # params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
 # Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
-# are multiples of data x fsdp, so they split evenly. Activations no longer bound them (chunked
-# log-probs, block remat, micro-batches of the _hf_model settings): the figures in the comments
-# are `python -m jrl.bench --memory` peaks per device at GSM8K / MATH lengths (256 + 512 /
+# are multiples of data x fsdp (x expert), so they split evenly. Activations no longer bound them
+# (chunked log-probs, block remat, micro-batches of the _hf_model settings): the figures in the
+# comments are `python -m jrl.bench --memory` peaks per device at GSM8K / MATH lengths (256 + 512 /
 # 512 + 1024 tokens), compiled for CPU host devices standing in for the chips. XLA:CPU computes
 # bfloat16 matmuls in float32 and keeps float32 copies of the weights it converts, so for these
 # bfloat16 models they are upper bounds.
@@ -209,6 +257,27 @@ def _v5p_64(c):  # a v5p-64 slice: 32 chips (64 TensorCores) on 8 hosts of 4, 95
     # 95 GB, as upper bounds: XLA:CPU counts the gathered weights in float32 and every
     # compaction stage's cache. The TPU compiler's figure for two of the 28 layers is 11.5 GB per
     # chip against XLA:CPU's 31.1 (README, "Will it fit?"). Not yet run on a v5p.
+
+
+def _v5p_64_ep(c):  # a v5p-64 slice (32 chips, 95 GB HBM each) for a mixture of experts
+    c.mesh.axes = ("data", "fsdp", "expert", "tensor")  # jrl.sharding.EXPERT_MESH_AXES
+    c.mesh.shape = (-1, 4, 8, 1)  # experts split 8 ways (30B-A3B: 16 of its 128 per chip), the
+    # experts' hidden dim and everything else's over fsdp 4 x expert 8 (FSDP over all 32 chips:
+    # 15.3 GB of state per chip for 30B-A3B with the reference); rows over the 32 chips, each
+    # layer's tokens gathered over the 8 chips of an expert group and summed back
+    c.data.train_batch_size = 64  # 512 rows, 16 per chip in the rollout and when scoring
+    c.actor.ppo_mini_batch_size = 16  # 128 rows, 4 per chip per update: 4 updates per step
+    c.actor.ppo_micro_batch_size_per_device = 4  # the 4 rows of a chip at once
+    # peak per chip: see docs/memory.md ("Mixtures of experts"). Not yet run on a v5p.
+
+
+def _gpu8_ep(c):  # one host with 8 GPUs (80 GB) for a mixture of experts
+    c.mesh.axes = ("data", "fsdp", "expert", "tensor")  # jrl.sharding.EXPERT_MESH_AXES
+    c.mesh.shape = (-1, 1, 8, 1)  # experts split 8 ways, everything else FSDP over the 8 GPUs
+    # (the expert axis is an FSDP axis for the dense weights); data: 1 per host. 30B-A3B's
+    # state with the reference is 61 GB per GPU here: for it, prefer more GPUs
+    c.data.train_batch_size = 128  # 1024 rows, 128 per GPU in the rollout and when scoring
+    c.actor.ppo_mini_batch_size = 32  # 256 rows, 32 per GPU per update: 4 updates per step
 
 
 def _lora(c):  # LoRA: adapters on a frozen bfloat16 base, the KL reference at no extra cost
@@ -257,6 +326,8 @@ PRESETS = Registry(  # name -> fn(cfg) changing it in place; listed in this orde
         "model=qwen2.5-0.5b": _qwen05,
         "model=qwen2.5-1.5b": _qwen15,
         "model=qwen2.5-7b": _qwen7,
+        "model=qwen3-30b-a3b": _qwen3_30b_a3b,
+        "model=qwen3-moe-small": _qwen3_moe_small,
         "model=hf": _hf,
         "lora": _lora,
         "data=gsm8k": _gsm8k,
@@ -265,6 +336,8 @@ PRESETS = Registry(  # name -> fn(cfg) changing it in place; listed in this orde
         "mesh=gpu8": _gpu8,
         "mesh=v4-8": _v4_8,
         "mesh=v5p-64": _v5p_64,
+        "mesh=gpu8-ep": _gpu8_ep,
+        "mesh=v5p-64-ep": _v5p_64_ep,
     },
 )
 

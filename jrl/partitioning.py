@@ -6,6 +6,12 @@ names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp
 map each logical axis onto mesh axes, flax style: a sequence of (logical name, mesh axis | tuple
 of mesh axes | None) pairs. `jrl.sharding` builds meshes and the shardings of whole train states
 on top.
+
+The mesh axes the rules name: "data", "fsdp", "tensor" and "expert" (`OPTIONAL_MESH_AXES`: a mesh
+may lack it, and then it counts as an axis of size 1, so the default 3-axis meshes need no other
+rules). "expert" is expert parallelism: the experts of a sparse layer are split over it, and
+everything else treats it as one more FSDP axis (rows of batches and activations, the "embed"
+dimension of the other weights), as MaxText's rules do.
 """
 
 from __future__ import annotations
@@ -20,16 +26,22 @@ from jax.sharding import Mesh, PartitionSpec
 
 # Logical axis -> mesh axes. "batch" covers the leading dim of batches and of the KV cache.
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", None),  # the stacked decoder blocks' leading axis
-    ("expert", None),  # the experts of a sparse layer (jrl.models.transformer.MoE): replicated
+    # The experts of a sparse layer (jrl.models.transformer.MoE, stacked [E, H, I]): E / ep on
+    # each device of the "expert" axis (its "embed" dim then falls back to fsdp alone, a mesh axis
+    # serving one dimension of an array); jrl.models.moe.dispatch sends tokens to them.
+    ("expert", "expert"),
 )
+
+# Mesh axes the rules name that a mesh may lack: absent, each counts as an axis of size 1.
+OPTIONAL_MESH_AXES = ("expert",)
 
 # Logical names of a KV-cache entry [B, K, S, D] (jrl.models.transformer.init_cache).
 CACHE_AXES = PartitionSpec("batch", "kv_heads", None, "head_dim")
@@ -69,8 +81,20 @@ def logical_to_mesh(spec: PartitionSpec, rules: Rules = DEFAULT_RULES) -> Partit
     return PartitionSpec(*out)
 
 
+def present(mesh, spec: PartitionSpec) -> PartitionSpec:
+    """`spec` without the mesh axes of `OPTIONAL_MESH_AXES` that `mesh` lacks (an "expert" axis on
+    a data x fsdp x tensor mesh): they count as axes of size 1."""
+    out = []
+    for entry in spec:
+        axes = tuple(a for a in mesh_axes(entry) if a in mesh.shape or a not in OPTIONAL_MESH_AXES)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*out)
+
+
 def fit(mesh: Mesh, spec: PartitionSpec, shape: Sequence[int]) -> PartitionSpec:
-    """`spec` with each dimension's mesh axes cut to the longest prefix whose size divides it."""
+    """`spec` with each dimension's mesh axes cut to the longest prefix whose size divides it
+    (optional mesh axes the mesh lacks dropped first: `present`)."""
+    spec = present(mesh, spec)
     if len(spec) > len(shape):
         raise ValueError(
             f"sharding spec {spec} has more entries than the array's shape {tuple(shape)}; "
@@ -107,7 +131,8 @@ def context_shards(logical: str, rules: Rules = DEFAULT_RULES) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
-    return math.prod(mesh.shape[a] for a in mesh_axes(dict(rules)[logical]))
+    (entry,) = present(mesh, PartitionSpec(dict(rules)[logical]))
+    return math.prod(mesh.shape[a] for a in mesh_axes(entry))
 
 
 def constrain(x, logical: PartitionSpec, rules: Rules = DEFAULT_RULES):
@@ -138,6 +163,7 @@ def put(tree, shardings):
 __all__ = [
     "CACHE_AXES",
     "DEFAULT_RULES",
+    "OPTIONAL_MESH_AXES",
     "Rules",
     "constrain",
     "context_shards",
@@ -145,5 +171,6 @@ __all__ = [
     "fit",
     "logical_to_mesh",
     "mesh_axes",
+    "present",
     "put",
 ]

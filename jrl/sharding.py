@@ -1,15 +1,20 @@
 """Device mesh, logical axis rules, and the shardings of the train state, batches and KV cache.
 
-Model code names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"; see
-`jrl.models.transformer.logical_axes`); batches use "batch". Rules map each logical axis onto mesh
-axes, flax style: a sequence of (logical name, mesh axis | tuple of mesh axes | None) pairs (the
-rules, `logical_to_mesh`, `constrain` and `put` live in `jrl.partitioning`, which the model code
-uses too, and are re-exported here). This module takes logical axes (trees of PartitionSpecs),
-never model configs, and imports nothing from `jrl.models`. With the default mesh axes ("data",
-"fsdp", "tensor"):
+Model code names only logical axes ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
+"layers", "expert"; see `jrl.models.transformer.logical_axes`); batches use "batch". Rules map
+each logical axis onto mesh axes, flax style: a sequence of (logical name, mesh axis | tuple of
+mesh axes | None) pairs (the rules, `logical_to_mesh`, `constrain` and `put` live in
+`jrl.partitioning`, which the model code uses too, and are re-exported here). This module takes
+logical axes (trees of PartitionSpecs), never model configs, and imports nothing from
+`jrl.models`. The mesh axes (`MESH_AXES`, the default; `EXPERT_MESH_AXES` with expert
+parallelism):
 
   * "data"   pure data parallelism: batch rows split, parameters replicated;
   * "fsdp"   batch rows split AND parameters split along "embed" (ZeRO-3 / FSDP style);
+  * "expert" expert parallelism: the experts of a sparse layer split (E / ep on each device,
+             tokens sent to their experts' devices: `jrl.models.moe.dispatch`); for everything
+             else one more FSDP axis (batch rows split, "embed" split over fsdp x expert).
+             Optional: a mesh without it has none (as if of size 1);
   * "tensor" Megatron-style tensor parallelism over heads, kv heads, MLP width and vocabulary.
 
 Not every dimension divides its mesh axes (2 kv heads over tensor=4, an odd vocabulary): such a
@@ -40,10 +45,22 @@ from jrl.partitioning import (
     context_spec,
     fit,
     logical_to_mesh,
+    mesh_axes,
+    present,
     put,
 )
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# With expert parallelism (the mesh= presets ending in -ep): tensor innermost, then expert.
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+def known_axes(rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes the rules name, in the order of `EXPERT_MESH_AXES` (then any others)."""
+    named = {a for _, rule in rules for a in mesh_axes(rule)}
+    return tuple(a for a in EXPERT_MESH_AXES if a in named) + tuple(
+        sorted(named - set(EXPERT_MESH_AXES))
+    )
 
 
 def make_mesh(
@@ -58,6 +75,14 @@ def make_mesh(
     """
     axes, shape = tuple(axes), [int(s) for s in shape]
     devices = list(jax.devices() if devices is None else devices)
+    unknown = [a for a in axes if a not in known_axes()]
+    if unknown:
+        raise ValueError(
+            f"mesh.axes {axes}: no sharding rule maps anything onto {unknown[0]!r}; the mesh "
+            f"axes are {', '.join(known_axes())}."
+        )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"mesh.axes {axes} names an axis twice; name each at most once.")
     if len(axes) != len(shape):
         raise ValueError(
             f"mesh.axes {axes} and mesh.shape {tuple(shape)} differ in length; "
@@ -173,18 +198,19 @@ def state_shardings(
 
 def batch_sharding(mesh: Mesh, batch_size: int | None = None, rules: Rules = DEFAULT_RULES):
     """Sharding of [B, ...] arrays (a whole batch dict): rows over the "batch" rule's mesh axes
-    (data, fsdp), the other dims replicated. With `batch_size`, only the mesh axes dividing it."""
-    spec = logical_to_mesh(PartitionSpec("batch"), rules)
+    (data, fsdp, expert), the other dims replicated. With `batch_size`, only the mesh axes
+    dividing it."""
+    spec = present(mesh, logical_to_mesh(PartitionSpec("batch"), rules))
     if batch_size is not None:
         spec = fit(mesh, spec, (batch_size,))
     return NamedSharding(mesh, spec)
 
 
 def cache_sharding(mesh: Mesh, shape: Sequence[int] | None = None, rules: Rules = DEFAULT_RULES):
-    """Sharding of a KV-cache entry [B, K, S, D]: rows over data + fsdp, kv heads over tensor.
-    One sharding serves the whole cache (every layer's "k" and "v"); with `shape`, each dim keeps
-    only the mesh axes that divide it."""
-    spec = logical_to_mesh(CACHE_AXES, rules)
+    """Sharding of a KV-cache entry [B, K, S, D]: rows over data, fsdp (and expert), kv heads
+    over tensor. One sharding serves the whole cache (every layer's "k" and "v"); with `shape`,
+    each dim keeps only the mesh axes that divide it."""
+    spec = present(mesh, logical_to_mesh(CACHE_AXES, rules))
     if shape is not None:
         spec = fit(mesh, spec, shape)
     return NamedSharding(mesh, spec)
@@ -247,6 +273,7 @@ def describe(shardings) -> dict[str, str]:
 __all__ = [
     "CACHE_AXES",
     "DEFAULT_RULES",
+    "EXPERT_MESH_AXES",
     "MESH_AXES",
     "batch_sharding",
     "cache_sharding",
@@ -254,11 +281,13 @@ __all__ = [
     "context_spec",
     "describe",
     "global_batch",
+    "known_axes",
     "logical_to_mesh",
     "make_mesh",
     "mirror_shardings",
     "named_sharding",
     "param_shardings",
+    "present",
     "process_rows",
     "put",
     "sharded_init",

@@ -2,6 +2,7 @@
 their meshes, and (abstractly, with jax.eval_shape: no arrays, no compile) the Qwen2.5 shapes have
 the published parameter counts and their train state fits the target devices' memory."""
 
+import dataclasses
 import json
 import math
 import os
@@ -31,9 +32,12 @@ HARDWARE = {
     "mesh=gpu8": (8, 80e9),
     "mesh=v4-8": (4, 32 * 2**30),
     "mesh=v5p-64": (32, 95e9),
+    "mesh=gpu8-ep": (8, 80e9),
+    "mesh=v5p-64-ep": (32, 95e9),
 }
 COMBINATIONS = (
     "model=qwen2.5-7b,data=gsm8k,mesh=v5p-64",
+    "model=qwen3-30b-a3b,data=gsm8k,mesh=v5p-64-ep",
     "model=qwen2.5-0.5b,mesh=v4-8",
     "model=qwen2.5-0.5b,mesh=gpu8",
 )
@@ -63,11 +67,12 @@ def _mesh_preset(preset: str) -> str:
 
 
 def _data_fsdp(cfg, devices: int) -> int:
-    """data x fsdp of the preset's mesh on `devices` devices (-1: what the others leave)."""
+    """data x fsdp (x expert) of the preset's mesh on `devices` devices (-1: what the others
+    leave): the devices a batch's rows split over."""
     fixed = math.prod(s for s in cfg.mesh.shape if s != -1)
     sizes = dict(zip(cfg.mesh.axes, (devices // fixed if s == -1 else s for s in cfg.mesh.shape)))
     assert math.prod(sizes.values()) == devices, (sizes, devices)
-    return sizes["data"] * sizes["fsdp"]
+    return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
 
 
 @pytest.mark.parametrize("preset", list(grpo_math.PRESETS) + list(COMBINATIONS))
@@ -106,6 +111,21 @@ def test_model_presets_have_the_published_shape(name):
     _, _, layers, q_heads, kv_heads, context = PUBLISHED[name]
     assert (m.num_layers, m.num_heads, m.num_kv_heads) == (layers, q_heads, kv_heads)
     assert m.max_position_embeddings == context and m.qkv_bias and m.vocab_size > 150_000
+
+
+def test_qwen3_30b_a3b_preset_is_the_checkpoints_architecture():
+    """The preset's model is what jrl reads from Qwen3-30B-A3B's config.json (its fields as
+    tests/moe_test.py holds them), the dtypes and memory settings aside."""
+    from moe_test import QWEN3_30B_A3B
+    from jrl.models import hf, transformer
+
+    cfg = grpo_math.get_config("model=qwen3-30b-a3b")
+    preset = trainer.model_config(cfg, 0)
+    compute = {k: getattr(preset, k) for k in transformer.COMPUTE_FIELDS}
+    read = hf.model_config_from_hf(QWEN3_30B_A3B, cfg.model.param_dtype)
+    assert dataclasses.replace(read, **compute) == dataclasses.replace(
+        preset, hf_model_type="qwen3_moe"
+    )
 
 
 def test_hf_preset_is_verl_grpo_for_any_checkpoint_with_one_update_per_step(tmp_path):
@@ -171,8 +191,8 @@ def test_mesh_presets_apply_last():
 def test_batch_sizes_split_over_the_mesh(preset):
     cfg = grpo_math.get_config(preset)
     n = _data_fsdp(cfg, HARDWARE[_mesh_preset(preset)][0])
-    # Prompts of a step are split over data x fsdp, and so are the rows of every mini-batch
-    # (jrl.step draws them from all rows, not by prompt).
+    # Prompts of a step are split over data x fsdp (x expert), and so are the rows of every
+    # mini-batch (jrl.step draws them from all rows, not by prompt).
     assert cfg.data.train_batch_size % n == 0, (cfg.data.train_batch_size, n)
     assert cfg.actor.ppo_mini_batch_size * cfg.rollout.n % n == 0, (cfg.actor, n)
 
@@ -200,7 +220,7 @@ _PROBE = textwrap.dedent(
         )
 
     out = {"counts": {}, "state": {}}
-    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"):
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-30b-a3b"):
         mc = model_cfg(grpo_math.get_config("model=" + name))
         params = jax.eval_shape(lambda: transformer.init_params(mc, jax.random.key(0)))
         total = sum(x.size for x in jax.tree.leaves(params))
@@ -262,6 +282,12 @@ def test_parameter_counts_match_the_published_ones(probe, name):
     assert abs(non_embedding - published_non_embedding) / published_non_embedding < 0.01
 
 
+def test_qwen3_30b_a3b_parameter_counts_match_the_published_ones(probe):
+    # Qwen/Qwen3-30B-A3B model card: 30.5B parameters, 29.9B without the embeddings.
+    total, non_embedding = probe["counts"]["qwen3-30b-a3b"]
+    assert abs(total - 30.5e9) / 30.5e9 < 0.01 and abs(non_embedding - 29.9e9) / 29.9e9 < 0.01
+
+
 @pytest.mark.parametrize("preset", COMBINATIONS)
 def test_state_per_device_fits_with_room_for_activations(probe, preset):
     state = probe["state"][preset]
@@ -269,9 +295,11 @@ def test_state_per_device_fits_with_room_for_activations(probe, preset):
     cfg = grpo_math.get_config(preset)
     assert cfg.actor.use_kl_loss and state["ref_params"] > 0  # the reference is counted
     assert state["mesh"]["fsdp"] > 1 and state["mesh"]["tensor"] == 1
-    # float32 params: 4 bytes each, split over fsdp (a little replicated: norms, biases).
+    # float32 params: 4 bytes each, split over fsdp (x expert: the experts over it, the rest's
+    # "embed" over fsdp x expert; a little replicated: norms, biases).
     total_params = probe["counts"][preset.split(",")[0].split("=")[1]][0]
-    assert state["params"] < 1.05 * 4 * total_params / state["mesh"]["fsdp"]
+    shards = state["mesh"]["fsdp"] * state["mesh"].get("expert", 1)
+    assert state["params"] < 1.05 * 4 * total_params / shards
     assert state["opt_state"] < 2.01 * state["params"] + 1024  # Adam mu, nu (+ a step count)
     print(f"{preset}: {state['total'] / 1e9:.2f} GB of {hbm / 1e9:.1f} GB per device")
     assert state["total"] < STATE_LIMIT * hbm, (state, hbm)

@@ -39,13 +39,19 @@ def test_make_mesh_shapes_and_errors():
 
 
 def test_logical_to_mesh_rules():
-    assert sharding.logical_to_mesh(P("vocab", "embed")) == P("tensor", "fsdp")
-    assert sharding.logical_to_mesh(P("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
-    assert sharding.logical_to_mesh(P("batch", None)) == P(("data", "fsdp"), None)
+    # "expert" (expert parallelism) is one more FSDP axis for rows and "embed"; a mesh without
+    # it drops it (`present`)
+    fsdp = ("fsdp", "expert")
+    assert sharding.logical_to_mesh(P("vocab", "embed")) == P("tensor", fsdp)
+    assert sharding.logical_to_mesh(P("embed", "heads", "head_dim")) == P(fsdp, "tensor", None)
+    assert sharding.logical_to_mesh(P("batch", None)) == P(("data", *fsdp), None)
+    mesh = sharding.make_mesh(shape=(2, 2, 2))
+    assert sharding.present(mesh, P("tensor", fsdp)) == P("tensor", "fsdp")
     # A mesh axis serves one dimension per array: the later one is replicated.
     rules = (("embed", "fsdp"), ("mlp", "fsdp"))
     assert sharding.logical_to_mesh(P("embed", "mlp"), rules) == P("fsdp", None)
-    assert sharding.logical_to_mesh(P("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
+    assert sharding.logical_to_mesh(P("layers", "embed", "mlp")) == P(None, fsdp, "tensor")
+    assert sharding.logical_to_mesh(P("expert", "embed", "mlp")) == P("expert", "fsdp", "tensor")
     with pytest.raises(ValueError, match="logical axis 'experts' has no sharding rule"):
         sharding.logical_to_mesh(P("experts", "embed"))
 

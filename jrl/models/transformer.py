@@ -618,12 +618,13 @@ class MoE(nn.Module):
         given = None if routing is None else routing.reshape(-1, k)
         experts, weights, probs, own = moe.route(logits, k, cfg.norm_topk_prob, given)
         act = ACTIVATIONS.get(cfg.hidden_act)
-        y = moe.experts_forward(
-            x2, experts, weights, gate, up, down, act, dt, self.decode, cfg.moe_matmul
-        )
+        per_token = lambda a: a.reshape(*x.shape[:-1], k)  # [B, L, k]: rows stay split
+        options = (act, dt, self.decode, cfg.moe_matmul)
+        # expert parallel where the mesh splits the experts (moe.dispatch)
+        y = moe.dispatch(x, per_token(experts), per_token(weights), (gate, up, down), *options)
         valid = None if token_mask is None else token_mask.reshape(-1)
         stats = moe.routing_stats(own, probs, valid)
-        return y.reshape(x.shape), moe.Routing(own.reshape(*x.shape[:-1], k), *stats)
+        return y, moe.Routing(per_token(own), *stats)
 
 
 def _no_routing(cfg: ModelConfig, x) -> moe.Routing:
