@@ -27,14 +27,15 @@ by this code. The grouped matmul (`MATMULS`, `ModelConfig.moe_matmul`):
   * "tiled": the sorted rows in tiles of `TILE` rows, one [TILE, K] x [K, N] product for each
     (tile, group) pair that overlap, at most tiles + E - 1 of them, in a `lax.map` whose step is
     rematerialised (the backward keeps no expert's weights per step); rows of other groups are
-    zeroed, so each row is one product as with ragged_dot. Work: (T x k + E x TILE) rows;
+    zeroed, so each row is one product as with ragged_dot; the steps past the last group's
+    tiles (a `lax.cond`) multiply nothing. Work: (rows in groups + E x TILE) rows;
   * "auto" (the default): "tiled" on CPU, "ragged" elsewhere.
 
 Expert parallelism (`dispatch`, which the block calls): where the mesh in context has an
-"expert" axis (jrl/partitioning.py) of size ep > 1 dividing E, each device holds E / ep experts,
-gathers the tokens of its expert group, runs the pairs of its own experts and sums the outputs
-back onto the tokens' devices, inside `jax.shard_map`; elsewhere `experts_forward` runs over all
-the tokens as it is (the same program as without the axis).
+"expert" axis (jrl/partitioning.py) of size ep > 1 dividing E, each device holds E / ep experts
+and the tokens of an expert group travel a ring of its devices, each running its own experts on
+them, inside `jax.shard_map`; elsewhere `experts_forward` runs over all the tokens as it is (the
+same program as without the axis).
 On a 2-core CPU shared with other jobs, T x k = 4096 rows, H 256, I 512, the three projections'
 forward and backward took 1.0 s ("ragged") / 0.20 s ("tiled") with 8 experts, 3.3 s / 0.28 s
 with 32, and a dense MLP of the same active width (k x I) 0.1 s.
@@ -132,7 +133,12 @@ def _tiled(x_MK, w_GKN, group_sizes_G, out_dtype):
         rows = jnp.where(((slot >= lo) & (slot < hi))[:, None], rows, jnp.zeros((), x.dtype))
         return jnp.matmul(rows, w_GKN[g], preferred_element_type=out_dtype)
 
-    out = jax.lax.map(product, (tile_of, group, lo, hi))  # [items, tile, N]
+    def product_if_live(args):  # items past the groups' (lo = hi = 0) multiply nothing
+        # zeros of the product's type, under shard_map its varying mesh axes too
+        zeros = lambda _: jnp.zeros_like(x[:tile, :1] * w_GKN[0, :1], dtype=out_dtype)
+        return jax.lax.cond(args[3] > args[2], product, zeros, args)
+
+    out = jax.lax.map(product_if_live, (tile_of, group, lo, hi))  # [items, tile, N]
     out = jnp.zeros((tiles, tile, n), out.dtype).at[tile_of].add(out)
     return out.reshape(tiles * tile, n)[:m]
 
@@ -236,43 +242,74 @@ def dispatch(x_BLH, experts_BLK, weights_BLK, projections, act, dtype, decode=Fa
     Without a mesh in context, or where its "expert" axis is absent, of size 1 or does not
     divide E, it is `experts_forward` over the B x L tokens, exactly (one sort of all the pairs).
 
-    Expert parallelism, where the mesh splits the experts E / ep per device (`expert_plan`):
-    inside `jax.shard_map`, each device gathers the tokens of the ep devices of its expert
-    group (the same rows of the data and fsdp axes, `all_gather` over the expert axis: rows are
-    split over it as over fsdp), sorts the pairs of those tokens that go to its own E / ep
-    experts (a sort local to the group, never across data shards) and runs its experts on them
-    (`experts_forward` with `first_expert`); each token's outputs are summed back to the device
-    holding it (`psum_scatter`), and over the tensor axis when it splits the experts' width
-    (`psum`). Dropless with static shapes: a device's buffer holds all ep x T_local x k pairs of
-    its group, as many as if every one went to its experts. What crosses the expert axis is the
-    tokens' hidden states ([ep x T_local, H], not one row per pair) and one [ep x T_local, H]
-    sum back: with k >= ep no more than an all-to-all of the pairs would move. When B does not
-    split over the expert axis (fewer rows than devices), every device of a group holds the
-    same tokens: no gather, and the sum over the group is a `psum`."""
+    Expert parallelism, where the mesh splits the experts E / ep per device (`expert_plan`),
+    inside `jax.shard_map`: the rows are split over the expert axis as over fsdp, and the ep
+    devices of an expert group (the same data and fsdp coordinates) pass their tokens around a
+    ring (`ppermute`), each with a float32 sum of its outputs. At each of the ep hops a device
+    runs its own E / ep experts on the pairs of the tokens it holds (`experts_forward` with
+    `first_expert`: those pairs sorted first, the others left out; the sort is over one
+    device's tokens, never across data shards) and adds their weighted outputs to the tokens'
+    sum; after the ep-th hop every sum is back on its tokens' device. Over the tensor axis,
+    when it splits the experts' width, the sums are added (`psum`). Dropless with static
+    shapes, and a hop's buffers are one device's T_local x k pairs, as without expert
+    parallelism: an all-to-all or all-gather dispatch that drops nothing must hold all ep x
+    T_local x k pairs of the group at once (all of them may choose this device's experts). What
+    crosses the expert axis per hop is the tokens [T_local, H] and their sums: in all, as much
+    as an all-gather of the group's tokens and a reduce-scatter of the sums, and with k >= ep
+    no more than an all-to-all of the pairs. Each hop's compute is recomputed in the backward
+    (`jax.checkpoint`): the backward keeps only what travels. When B does not split over the
+    expert axis (fewer rows than devices), a group's devices hold the same tokens: one hop,
+    and the sum over the group is a `psum`. The hops are unrolled (ep is small).
+    """
     h, k = x_BLH.shape[-1], experts_BLK.shape[-1]
     options = (act, dtype, decode, impl)
     plan = expert_plan(x_BLH.shape, projections[0].shape)
     if plan is None:
         per_pair = (x_BLH.reshape(-1, h), experts_BLK.reshape(-1, k), weights_BLK.reshape(-1, k))
         return experts_forward(*per_pair, *projections, *options).reshape(x_BLH.shape)
-    gathered = tuple(a for a in plan.experts if a in plan.rows)
-    summed = tuple(a for a in plan.experts if a not in plan.rows) + plan.width
+    ring = tuple(a for a in plan.experts if a in plan.rows)
+    summed = tuple(dict.fromkeys(a for a in plan.experts + plan.width if a not in plan.rows))
+    batch_only = tuple(a for a in plan.rows if a not in plan.experts + plan.width)
     spec = lambda axes: axes if len(axes) != 1 else axes[0]
     rows_spec = P(spec(plan.rows) or None, None, None)
     in_weights = P(spec(plan.experts), None, spec(plan.width) or None)
     out_weights = P(spec(plan.experts), spec(plan.width) or None, None)
 
     def local(x, experts, weights, gate, up, down):
-        x2, e2, w2 = x.reshape(-1, h), experts.reshape(-1, k), weights.reshape(-1, k)
-        if gathered:  # the tokens of the whole expert group, in the group's order
-            x2, e2, w2 = (jax.lax.all_gather(a, gathered, tiled=True) for a in (x2, e2, w2))
+        # Tokens and weights varying over every mesh axis of the computation from here: the
+        # gradients' sums over the axes each was the same on are then taken once, here, not in
+        # each grouped matmul's loop and branch (a collective inside a cond whose branch differs
+        # by device hangs). `summed`, the axes the experts and their width split and the rows
+        # do not, ends it.
+        vary = lambda arrays, axes: [jax.lax.pcast(a, axes, to="varying") for a in arrays]
+        if summed:
+            x, experts, weights = vary((x, experts, weights), summed)
+        if batch_only:
+            gate, up, down = vary((gate, up, down), batch_only)
         first = jax.lax.axis_index(plan.experts) * gate.shape[0]
-        y = experts_forward(x2, e2, w2, gate, up, down, *options, first)
-        if gathered:  # each token's sum over the group's experts, back on its device
-            y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+        own = lambda x, e, w: experts_forward(x, e, w, gate, up, down, *options, first).astype(
+            jnp.float32
+        )
+        carry = (x.reshape(-1, h), experts.reshape(-1, k), weights.reshape(-1, k))
+        if not ring:
+            y = own(*carry)
+        else:
+            n = math.prod(jax.lax.axis_size(a) for a in ring)
+            perm = [(i, (i + 1) % n) for i in range(n)]
+            send = lambda a: jax.lax.ppermute(a, ring, perm)
+
+            # Unrolled (n is small): XLA:CPU may start a loop's collectives and another
+            # collective outside it in different orders on different devices (a deadlock).
+            hop = jax.checkpoint(lambda acc, *tokens: acc + own(*tokens), prevent_cse=False)
+            # zeros of the sums' type (their varying mesh axes: the tokens' and the experts')
+            acc = jnp.zeros_like(carry[0] * gate[0, 0, 0] * down[0, 0, 0], dtype=jnp.float32)
+            for i in range(n):  # the n-th send brings every sum back to its tokens' device
+                acc = send(hop(acc, *carry))
+                carry = send(carry) if i < n - 1 else ()
+            y = acc
         if summed:
             y = jax.lax.psum(y, summed)
-        return y.reshape(x.shape)
+        return y.astype(dtype).reshape(x.shape)
 
     return jax.shard_map(
         local,
