@@ -1,4 +1,4 @@
-"""Benchmark of the fused RL step: python -m jrl.bench --workload=W1|W2|W3 [--steps=10] [--json]
+"""Benchmark of the fused RL step: python -m jrl.bench --workload=NAME [--steps=10] [--json]
 "Will it fit?": python -m jrl.bench --memory --config=configs/X.py[:presets] [--config.a.b=v ...]
 
 Workloads are fixed so that other systems can run the same ones (random-initialised Qwen2-style
@@ -16,7 +16,9 @@ step, no reference model):
       config is what such lengths call for: response buckets (64, 128, 256) with the update's
       rows ordered by length (`model.shared_prompt_forward` off), the decode compacted
       (`rollout.compact_decode`, on by default); `--fixed_length` runs the same config.
-In W1 and W2 every response is exactly the stated number of new tokens (EOS does not stop
+  W2-MoE: W2 with a mixture of experts in every layer: 8 experts of width 512, top 2 (the
+      same active parameters as W2's MLP of width 1024, plus a 256 x 8 router).
+In W1, W2 and W2-MoE every response is exactly the stated number of new tokens (EOS does not stop
 decoding); in W3 each row's length is fixed: the work per step does not depend on what the random
 model samples.
 

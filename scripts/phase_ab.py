@@ -5,6 +5,7 @@
     python scripts/phase_ab.py --workload=W2 --shared_prompt
     python scripts/phase_ab.py --workload=W3 --fixed_length --rounds=3 --reps=1
     python scripts/phase_ab.py --workload=W2 --compact_decode
+    python scripts/phase_ab.py --workload=W2 --against=W2-MoE --rounds=3 --reps=1
 
 The machine's speed drifts by 10-30% between processes on a shared CPU, more than most single
 changes buy, so the variants are compiled in one process and timed in alternating rounds (A B A B
@@ -21,6 +22,9 @@ it also checks that both sample the same tokens.
 with every response at the budget (`python -m jrl.bench --fixed_length`); it also prints how many
 times each step compiled.
 --compact_decode: the fused step and the rollout phase with `rollout.compact_decode` on and off.
+--against=OTHER: the fused step, the rollout and the update of --workload and of workload OTHER
+(W2 against W2-MoE: a dense model against the mixture of experts of the same active
+parameters), each workload's state and prompts its own, and the ratios OTHER / --workload.
 """
 
 from __future__ import annotations
@@ -122,6 +126,22 @@ def compact_decode_variants(name: str) -> dict:
     return variants
 
 
+def workload_variants(names: list[str]) -> dict:
+    """The fused step, the rollout (+ reward) and the update of each workload, on its own first
+    state, prompts and scored experience."""
+    variants = {}
+    for name in names:
+        w, key, scored = _scored(name)
+        step = jax.jit(step_lib.make_step(w.cfg, w.model_cfg, w.reward_fn, **w.ids))
+        generate, _, update = (
+            jax.jit(f) for f in step_lib.make_phases(w.cfg, w.model_cfg, w.reward_fn, **w.ids)
+        )
+        variants[f"{name} step"] = lambda f=step, w=w: f(w.state, w.batch)
+        variants[f"{name} rollout"] = lambda f=generate, w=w: f(w.state, w.batch, key)
+        variants[f"{name} update"] = lambda f=update, w=w, s=scored: f(w.state, s, key)
+    return variants
+
+
 def alternate(variants: dict, rounds: int, reps: int) -> dict:
     """Median seconds of each variant over `rounds` alternating rounds of `reps` calls."""
     for f in variants.values():
@@ -152,6 +172,9 @@ def main():
     parser.add_argument(
         "--compact_decode", action="store_true", help="rollout.compact_decode on / off"
     )
+    parser.add_argument(
+        "--against", default=None, choices=sorted(benchmark.WORKLOADS), help="another workload"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="calls per variant per round")
     args = parser.parse_args()
@@ -163,11 +186,18 @@ def main():
         variants = fixed_length_variants(args.workload)
     elif args.compact_decode:
         variants = compact_decode_variants(args.workload)
+    elif args.against:
+        variants = workload_variants([args.workload, args.against])
     else:
         micro = [int(m) for m in args.micro_batches.split(",")]
         variants = update_variants(args.workload, micro)
-    for k, s in alternate(variants, args.rounds, args.reps).items():
+    medians = alternate(variants, args.rounds, args.reps)
+    for k, s in medians.items():
         print(f"{args.workload} {k:<20} median {s:.4f} s")
+    if args.against:
+        for part in ("step", "rollout", "update"):
+            ratio = medians[f"{args.against} {part}"] / medians[f"{args.workload} {part}"]
+            print(f"{args.against} / {args.workload} {part:<8} {ratio:.2f}x")
     for k, f in variants.items():
         if hasattr(f, "jitted"):
             print(f"{args.workload} {k:<20} compiled {f.jitted._cache_size()} time(s)")

@@ -54,14 +54,29 @@ WORKLOADS = {
         # by length into them; the decode compacted (rollout.compact_decode, on by default)
         "config": {"model.response_buckets": (64, 128, 256), "model.shared_prompt_forward": False},
     },
+    # W2 with a mixture of experts in every layer: 8 experts of width 512, top 2 (weights
+    # renormalised, as Mixtral). Each token runs 2 x 512 = 1024 of MLP width, W2's dense width,
+    # through the same three projections: the same active parameters (786k per layer's MLP),
+    # plus the router (256 x 8, +0.3%); its 8 x 512 experts hold 4x W2's MLP parameters. Against
+    # W2 it times the routing, sort and grouped matmuls (`jrl.models.moe`) against one matmul.
+    "W2-MoE": {
+        **_W2,
+        "model": {
+            **_W2["model"],
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 512,
+            "norm_topk_prob": True,
+        },
+    },
 }
 
 
 def response_lengths(name: str, fixed_length: bool = False) -> np.ndarray | None:
     """[B] response lengths (EOS included) that workload `name` forces (`rollout.generate`'s
-    `forced_length`), or None for a workload without them (W1, W2: EOS never stops a row). A
-    log-normal of shape sigma around a mean of R/4, rounded and clipped to [1, R], from a fixed
-    seed: the same lengths every run (W3: mean 125.2, median 85.5, 2 of 128 rows at 512).
+    `forced_length`), or None for a workload without them (W1, W2, W2-MoE: EOS never stops a
+    row). A log-normal of shape sigma around a mean of R/4, rounded and clipped to [1, R], from a
+    fixed seed: the same lengths every run (W3: mean 125.2, median 85.5, 2 of 128 rows at 512).
     `fixed_length`: every row at the budget R instead."""
     w = WORKLOADS[name]
     if "lengths" not in w:
