@@ -30,7 +30,8 @@ def _small(cfg):
 
 
 def _run_three_steps(cfg):
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     traces = []

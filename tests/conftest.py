@@ -94,7 +94,8 @@ def run_steps(cfg, steps: int, **step_kwargs):
     from jrl.models import transformer
     from jrl.run import trainer
 
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids, **step_kwargs))
     key = jax.random.key(0)

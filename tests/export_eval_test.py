@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     cfg.warmup.check_every = 25
     workdir = str(tmp_path_factory.mktemp("run"))
     trainer.run(cfg, workdir)
-    _, task, _, _ = trainer.build(cfg)
+    task = trainer.build(cfg).task
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return workdir, task.eval_batch(), rows

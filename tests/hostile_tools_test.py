@@ -573,7 +573,7 @@ def test_hostile_calls_in_the_fused_step(guard):
     seen = set()
     for index in range(2):
         host.pauses.clear()
-        batch = trainer.build(cfg)[1].train_batch(index, step_lib.prompts_per_step(cfg))
+        batch = trainer.build(cfg).task.train_batch(index, step_lib.prompts_per_step(cfg))
         state, metrics = step(state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         errors = 0

@@ -27,7 +27,8 @@ ONE_DEVICE = f"--xla_force_host_platform_device_count=1 {COMPILE_FLAGS}"
 
 
 def _phases(cfg, mesh=None):
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     phases = step_lib.make_phases(
         cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task), mesh=mesh
     )
@@ -201,7 +202,9 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     results = []
     for shortcut in (True, False):
         monkeypatch.setattr(step_lib, "on_policy_update", lambda c, s=shortcut: s)
-        tok, task, reward_fn, model_cfg = trainer.build(cfg)
+        built = trainer.build(cfg)
+        tok, task = built.tokenizer, built.task
+        reward_fn, model_cfg = built.reward_fn, built.model_cfg
         phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
         key = jax.random.key(0)
         state = train_state.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)

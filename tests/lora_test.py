@@ -178,7 +178,8 @@ def test_fused_step_trains_only_adapters_with_base_as_reference():
     from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     params = tfm.init_params(model_cfg, jax.random.key(0))
     want_base = jax.tree.map(np.asarray, params)
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
@@ -221,7 +222,8 @@ def test_dropout_changes_the_update_only():
     from jrl.run import trainer
 
     cfg = _grpo_lora_cfg()
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     state = train_state.init_state(
         cfg, model_cfg, tfm.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
@@ -273,7 +275,8 @@ def test_dropout_keeps_the_ratio_and_clipping_on_in_a_one_epoch_update():
     assert step_lib.on_policy_update(cfg)
     cfg.lora.dropout = 0.5
     assert not step_lib.on_policy_update(cfg)
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     params = tfm.init_params(model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     state = state.replace(params=_moved(state.params, jax.random.key(3)))
@@ -440,7 +443,7 @@ def test_value_heads_train_in_float32_over_a_bfloat16_base(shared):
             "critic.lr": 1e-5,
         }
     )
-    _, _, _, model_cfg = trainer.build(cfg)
+    model_cfg = trainer.build(cfg).model_cfg
     key = jax.random.key(0)
     state = train_state.init_state(cfg, model_cfg, trainer.initial_params(cfg, model_cfg, key), key)
     assert state.ref_params["embed"].dtype == jnp.bfloat16  # the frozen base
@@ -469,7 +472,8 @@ def test_dropout_and_the_policy_loss_draw_from_keys_of_their_own(monkeypatch):
     cfg = _grpo_lora_cfg()
     cfg.lora.dropout = 0.2
     cfg.actor.policy_loss = "clip_cov"
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     key = jax.random.key(1)
     state = train_state.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)

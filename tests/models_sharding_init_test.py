@@ -57,7 +57,7 @@ def test_train_state_from_donated_params():
     cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
-    _, _, _, model_cfg = trainer.build(cfg)
+    model_cfg = trainer.build(cfg).model_cfg
     mesh = sharding.make_mesh(shape=(2, 2, 2))
     init = lambda p: train_state.init_state(cfg, model_cfg, p, jax.random.key(1))
     host = jax.device_get(transformer.init_params(model_cfg, jax.random.key(0)))

@@ -78,7 +78,7 @@ def ids_of(tok, *tokens):
 def scripted_model(cfg, tok, bodies=BODIES):
     """(model config, params) of the scripted decoder (module docstring) over `bodies` (the
     first one a little likelier: greedy's choice)."""
-    model_cfg = trainer.build(cfg)[3]
+    model_cfg = trainer.build(cfg).model_cfg
     model_cfg = dataclasses.replace(model_cfg, vocab_size=len(tok), tie_word_embeddings=False)
     params = jax.device_get(trainer.initial_params(cfg, model_cfg, jax.random.key(0)))
     h = model_cfg.hidden_size
@@ -176,16 +176,16 @@ def make(tok, on_mesh: bool = False, **changes):
     init = lambda: train_state.init_state(cfg, model_cfg, params, jax.random.key(1))  # noqa: E731
     if on_mesh:
         mesh = sharding.make_mesh(shape=(2, 2, 1), devices=jax.devices()[:4])
-        step, _, state_sh, _ = trainer.jit_step(cfg, model_cfg, scripted_reward, ids, mesh, init)
-        state = jax.jit(init, out_shardings=state_sh)()
-        return cfg, host, step, state, mesh
+        jitted = trainer.jit_step(cfg, model_cfg, scripted_reward, ids, mesh, init)
+        state = jax.jit(init, out_shardings=jitted.state_sh)()
+        return cfg, host, jitted.step_fn, state, mesh
     step = jax.jit(step_lib.make_step(cfg, model_cfg, scripted_reward, **ids))
     return cfg, host, step, init(), None
 
 
 def run(cfg, step, state, mesh, index=0):
     """One step on the task's batch `index`: (state, metrics on the host)."""
-    batch = trainer.build(cfg)[1].train_batch(index, step_lib.prompts_per_step(cfg))
+    batch = trainer.build(cfg).task.train_batch(index, step_lib.prompts_per_step(cfg))
     with jax.set_mesh(mesh) if mesh is not None else _nothing():
         state, metrics = step(state, batch)
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -73,7 +73,8 @@ def reference_run(name):
     """Two fused steps of the tiny `name` config from fixed keys: ({metric: float}, [[sum, sum of
     squares] per parameter leaf])."""
     cfg = tiny_config(name, **{"warmup.sft_steps": 0})
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task, cfg)
@@ -119,7 +120,8 @@ def scored():
     prompt + response: no shared-prompt forward, one micro-batch), scored by the step's second
     phase: (spec, state, experience)."""
     cfg = tiny_config(**MULTI_TURN, **{"model.shared_prompt_forward": False})
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )
@@ -244,7 +246,8 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
             "rollout.multi_turn.tool_timeout": 0.25,
         },
     )
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )

@@ -83,7 +83,7 @@ def final_params(workdir):
     """The last checkpoint's policy parameters, restored onto one device (whatever mesh wrote
     them)."""
     cfg = config()
-    _, _, _, model_cfg = trainer.build(cfg)
+    model_cfg = trainer.build(cfg).model_cfg
     abstract = jax.eval_shape(
         lambda: train_state.init_state(
             cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)

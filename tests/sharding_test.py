@@ -171,7 +171,8 @@ def test_fused_step_on_2x2x2_mesh_matches_one_device():
     cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     step = step_lib.make_step(cfg, model_cfg, varied_reward, **trainer.sampling_ids(tok, task))
     init = lambda: train_state.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)

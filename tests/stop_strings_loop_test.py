@@ -138,7 +138,8 @@ def test_rollout_stop_reaches_the_rollouts():
     from jrl.run import trainer
 
     cfg = tiny_config(**{"rollout.stop": ("5=", 7, ";")})
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task, cfg)
     assert ids["stop_ids"] == (7,) and ids["stop_strings"].strings == (b"5=", b";")
     spec = step_lib.make_spec(cfg, model_cfg, reward_fn, **ids)

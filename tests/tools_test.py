@@ -590,7 +590,8 @@ def test_gsm8k_tools_config_lists_the_tools_in_its_chat_prompts(qwen, tmp_path):
     cfg.tokenizer, cfg.task.train_files = str(tmp_path / "tok"), str(tmp_path / "train.jsonl")
     cfg.task.eval_size, cfg.data.max_prompt_length = 1, 1024  # a byte per token here
     config.validate(cfg)
-    tok, task, _, _ = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task = built.tokenizer, built.task
     listed = '<tools>\n{"type": "function", "function": {"name": "calc"'
     prompt = tok.decode(task.eval_batch()["input_ids"][0], skip_special_tokens=False)
     assert listed in prompt and prompt.endswith("<|im_start|>assistant\n")
@@ -599,5 +600,5 @@ def test_gsm8k_tools_config_lists_the_tools_in_its_chat_prompts(qwen, tmp_path):
     cfg.rollout.multi_turn.enable = False
     config.reset_switched_off(cfg, file_cfg, ["--config.rollout.multi_turn.enable=False"])
     config.validate(cfg)
-    prompt = tok.decode(trainer.build(cfg)[1].eval_batch()["input_ids"][0])
+    prompt = tok.decode(trainer.build(cfg).task.eval_batch()["input_ids"][0])
     assert "<tools>" not in prompt and "What is" in prompt
