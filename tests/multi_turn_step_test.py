@@ -273,3 +273,30 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
         assert 0 < m["tool_calls/response_token_share"] < 1
         assert m["timing_s/tool_host"] > 0
     assert any(m["actor/grad_norm"] > 0 for m in seen)
+
+
+def test_the_greedy_eval_counts_tool_calls_per_answer():
+    """`make_eval` with a tool host reports calls per answer: the tool blocks in the greedy
+    answers (runs of tool tokens: valid, not the model's), counted here from the rollout's masks
+    instead of the host's stats; 0 errors from `calc` on what it parses, and none of it without
+    tools."""
+    cfg = tiny_config(**MULTI_TURN)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
+    params = calling_params(cfg, model_cfg, tok)
+    ids = trainer.sampling_ids(tok, task, cfg)
+    batch = task.eval_batch()
+    metrics = jax.jit(trainer.make_eval(model_cfg, varied_reward, **ids))(params, batch)
+    out, valid, _ = jax.jit(
+        lambda p, b: step_lib.sample_and_score(
+            model_cfg, varied_reward, p, b, jax.random.key(0), greedy=True, **ids
+        )
+    )(params, batch)
+    tool = (np.asarray(valid) > 0) & (np.asarray(out.response_mask) == 0)
+    blocks = (tool[:, 1:] & ~tool[:, :-1]).sum(1) + tool[:, 0]  # starts of tool-token runs
+    assert blocks.sum() > 0
+    assert float(metrics["val/tool_calls"]) == pytest.approx(blocks.mean())
+    assert float(metrics["val/tool_errors"]) >= 0
+    one_turn = {**ids, "tool_host": None}
+    plain = jax.jit(trainer.make_eval(model_cfg, varied_reward, **one_turn))(params, batch)
+    assert "val/tool_calls" not in plain

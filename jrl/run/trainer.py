@@ -47,6 +47,7 @@ from jrl.run import workdir as workdir_lib
 from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
 from jrl.tools import base as tool_base
 from jrl.tools import host as tool_host
+from jrl.tools.metrics import multi_turn_metrics
 
 
 def init_distributed(
@@ -756,7 +757,9 @@ def make_eval(
 ):
     """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
     `ids`: `sampling_ids`' (eos_id, pad_id, max_new_tokens, stop_ids and, multi-turn, the
-    `tool_host`: the reward reads the whole response and the length counts tool tokens). With
+    `tool_host`: the reward reads the model's final turn, the length counts tool tokens, and
+    "val/tool_calls" (calls per answer) and "val/tool_errors" (calls answered with an error, in
+    all) come too). With
     `num_samples` > 0 also the first `num_samples` rows' answers to look at:
     "samples/response_ids" and "samples/response_mask" [num_samples, R] (the mask covering tool
     tokens too), "samples/score" [num_samples] (jrl.samples splits them off the metrics)."""
@@ -770,6 +773,10 @@ def make_eval(
             "val/accuracy": jnp.mean(scores),
             "val/response_length": jnp.mean(jnp.sum(valid, -1).astype(jnp.float32)),
         }
+        if ids.get("tool_host") is not None:  # the greedy answers' calls
+            calls = multi_turn_metrics(out.stats, out.assistant_turns, jnp.sum(valid, -1))
+            metrics["val/tool_calls"] = calls["tool_call_counts/mean"]
+            metrics["val/tool_errors"] = calls["tool_calls/errors"]
         if num_samples:
             metrics["samples/response_ids"] = out.response_ids[:num_samples]
             metrics["samples/response_mask"] = valid[:num_samples]
@@ -800,7 +807,13 @@ def make_evaluate(run: Run, writer, bar):
         check_rewards(reward_fn)
         rows = samples_lib.rows(task, task.eval_batch(), found) if jax.process_index() == 0 else []
         writer.write_samples(step, rows, samples_lib.markdown(rows))
-        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}")
+        tools = ""
+        if "val/tool_calls" in metrics:
+            tools = (
+                f" (tool calls per answer {metrics['val/tool_calls']:.2f}, "
+                f"errors {metrics['val/tool_errors']:.0f})"
+            )
+        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}{tools}")
         for line in samples_lib.lines(rows[:1]):
             bar.write(f"  e.g. {line}")
         return metrics
