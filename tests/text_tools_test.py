@@ -18,7 +18,7 @@ import pytest
 from jrl import data, rewards
 from jrl.config import ConfigError
 from jrl.data import calc_products
-from jrl.step import final_turn_mask
+from jrl.shaping import final_turn_mask
 from jrl.tools import TOOLS
 from jrl.tools.formats import FORMATS, Call, FormatError
 from jrl.tools.host import STAT_NAMES, make_tool_host
