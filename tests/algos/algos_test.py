@@ -16,7 +16,7 @@ from jrl.algos import advantages as adv_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses as loss_lib
 
-import algos_fixtures as fx
+from helpers import algos_fixtures as fx
 
 ATOL = 1e-5
 

@@ -16,7 +16,7 @@ import pytest
 from jrl.algos import advantages as adv_lib
 from jrl.algos import group_ppo as gp
 
-import algos_fixtures as fx
+from helpers import algos_fixtures as fx
 
 ATOL = 1e-5
 W1 = -30.0  # old_log_prob with p = exp(-30) ~ 1e-13, so w = (1 - p)^2 = 1 in float32

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses as loss_lib
 
-import algos_fixtures as fx
+from helpers import algos_fixtures as fx
 
 
 def all_losses(x, mode):

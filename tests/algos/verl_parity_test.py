@@ -14,7 +14,7 @@ import pytest
 from jrl.algos import kl as kl_lib
 from jrl.algos import rollout_corr
 
-import algos_fixtures as fx
+from helpers import algos_fixtures as fx
 
 ATOL = 1e-5
 

@@ -3,7 +3,7 @@ stderr line `error: ...` that names the field or file and the fix, before anythi
 with JAX_LOG_COMPILES=1: no "Compiling" line), and leaves an existing workdir exactly as it was
 (same files, bytes and modification times).
 
-Where each bad-input case of the issue is tested (tr = tests/train_test.py):
+Where each bad-input case of the issue is tested (tr = tests/cli/train_test.py):
 - unknown config key with a close match, a wrong type (a string for a float):
   tr::test_cli_bad_override_exits_2_with_one_line
 - an unknown name in a choice field: tr::test_cli_bad_config_exits_2_with_one_line_before_compiling
@@ -17,11 +17,11 @@ Where each bad-input case of the issue is tested (tr = tests/train_test.py):
   tr::test_cli_checkpoint_of_another_model_size_exits_2_and_changes_nothing
 - prompts too long, dropped or truncated as configured and counted: here,
   test_long_prompts_are_counted_in_the_step_0_row (the task's own counts:
-  tests/math_data_test.py::test_drop_truncate_and_error_overlong_prompts)
+  tests/data/math_data_test.py::test_drop_truncate_and_error_overlong_prompts)
 - an infinite learning rate (every float field must be finite), a positional argument, a
   truncated safetensors file of model.hf_path: here, [infinite_learning_rate],
   [positional_argument], [truncated_safetensors] (a truncated GGUF file:
-  tests/gguf_test.py::test_a_truncated_gguf_is_one_line_before_any_tensor_is_read)
+  tests/models/gguf_test.py::test_a_truncated_gguf_is_one_line_before_any_tensor_is_read)
 - a data file without read permission: here, test_data_file_without_read_permission (in
   process, the permission check answered "no": as root, which these tests may run as, every file
   is readable)
@@ -46,7 +46,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import GOLDEN, REPO, tiny_config
 
 # The tiny config on a GSM8K-style file: no warm-up (it needs the arithmetic task), 2 eval rows
 # held out, and a short template so that prompt lengths are easy to count by hand.
@@ -95,7 +95,7 @@ def data(tmp_path_factory):
     (d / "corrupt_tokenizer").mkdir()
     (d / "corrupt_tokenizer" / "tokenizer.json").write_text("{ not json")
     # A Hugging Face checkpoint whose safetensors file was cut short (an interrupted copy)
-    shutil.copytree(os.path.join(REPO, "tests", "golden", "llama"), d / "truncated_hf")
+    shutil.copytree(os.path.join(GOLDEN, "llama"), d / "truncated_hf")
     weights = d / "truncated_hf" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size - 1000)

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+import conftest
+
+REPO = pathlib.Path(conftest.REPO)
 LAUNCH = REPO / "launch"
 SCRIPTS = ["tpu_pod.sh", "gpu_host.sh", "multinode_gpu.sh", "slurm_gpu.sbatch"]
 

@@ -1,7 +1,8 @@
 """notebooks/quickstart.ipynb runs top to bottom (headless, nbclient) on its quick setting.
 
-`python tests/notebook_test.py --write` executes it on the full demo instead and saves it with its
-outputs (progress-bar redraws collapsed to their last frame, so the outputs stay small).
+`PYTHONPATH=tests python tests/cli/notebook_test.py --write` (tests/ on the path: conftest)
+executes it on the full demo instead and saves it with its outputs (progress-bar redraws collapsed
+to their last frame, so the outputs stay small).
 """
 
 import os

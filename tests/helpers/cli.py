@@ -15,8 +15,11 @@ TINY = ["--config=configs/grpo_math.py:tiny", "--config.warmup.sft_steps=0"]
 
 def cache_env() -> dict:
     """os.environ on CPU: with the session's persistent compilation cache (tests/conftest.py),
-    which the trainer runs in this process and in other workers share."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+    which the trainer runs in this process and in other workers share, and this checkout first
+    on PYTHONPATH (a script such as tests/helpers/write_fault.py imports its jrl, whatever jrl
+    is installed)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
 
 
 def start(args, env, main=("-m", "jrl.train")) -> subprocess.Popen:

@@ -1,6 +1,6 @@
-"""A user tool for the multi-turn step tests (named in a config as `faulty_tools:flaky`): its
-calls take turns to answer, raise and sleep past the time limit, and it counts each kind itself,
-so a test can compare the step's metrics with the tool's own tally."""
+"""A user tool for the multi-turn step tests (named in a config as `helpers.faulty_tools:flaky`):
+its calls take turns to answer, raise and sleep past the time limit, and it counts each kind
+itself, so a test can compare the step's metrics with the tool's own tally."""
 
 import threading
 import time

@@ -1,6 +1,6 @@
-"""One process of tests/multihost_test.py: `python tests/multihost_agree.py PORT PROCESS_ID`.
-Each process holds its own values of a tree (as after a warm-up run on every host) and prints
-what `jrl.run.trainer.same_on_every_host` makes of them, as JSON."""
+"""One process of tests/run/multihost_test.py: `python tests/helpers/multihost_agree.py PORT
+PROCESS_ID`. Each process holds its own values of a tree (as after a warm-up run on every host)
+and prints what `jrl.run.trainer.same_on_every_host` makes of them, as JSON."""
 
 import json
 import sys

@@ -1,7 +1,8 @@
-"""A user reward ("tests.scale_rewards:vowel_share") for the scale-out tests: it runs on the host
-through `jax.pure_callback` like the GSM8K / MATH rewards, and it differs within the groups of an
-untrained policy, so the compared runs make real updates (a correctness reward would be 0 for
-every sample, every advantage 0 and every update rounding noise)."""
+"""A user reward ("tests.helpers.scale_rewards:vowel_share") for the scale-out tests
+(tests/run/scale_test.py): it runs on the host through `jax.pure_callback` like the GSM8K / MATH
+rewards, and it differs within the groups of an untrained policy, so the compared runs make real
+updates (a correctness reward would be 0 for every sample, every advantage 0 and every update
+rounding noise)."""
 
 
 def vowel_share(responses, ground_truths):

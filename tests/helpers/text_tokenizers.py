@@ -1,5 +1,5 @@
 """Tiny real tokenizers of the two families stop strings must read (tests/stop_strings_test.py,
-tests/text_tools_test.py):
+tests/tools/text_tools_test.py):
 
 - `byte_bpe()`: a byte-level BPE (GPT-2 / Qwen style: `Ġ` a space, `Ċ` a newline) trained here
   with the `tokenizers` library on calculator-call text, without its pre-tokenizer's word split,

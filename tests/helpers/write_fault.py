@@ -1,5 +1,5 @@
-"""`python tests/write_fault.py TARGET:N <python -m jrl.train arguments>`: the trainer's CLI with a
-write failing as on a full disk (tests/disk_full_test.py):
+"""`python tests/helpers/write_fault.py TARGET:N <python -m jrl.train arguments>`: the trainer's
+CLI with a write failing as on a full disk (tests/run/disk_full_test.py):
 
 - metrics:N     the N-th row written to metrics.jsonl raises ENOSPC;
 - config:N      the N-th write of config.json raises ENOSPC;

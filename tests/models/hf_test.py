@@ -21,12 +21,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import jrl.models
+from conftest import GOLDEN
 from jrl import sharding
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import hf
 from jrl.models import transformer as tfm
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 IDS = np.load(os.path.join(GOLDEN, "input_ids.npy"))
 MASK = np.load(os.path.join(GOLDEN, "attention_mask.npy"))

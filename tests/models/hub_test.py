@@ -9,9 +9,7 @@ import pytest
 from jrl import config as config_lib
 from jrl import models
 from jrl.models import hf, hub
-from conftest import tiny_config
-
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+from conftest import GOLDEN, tiny_config
 
 
 @pytest.fixture(autouse=True)

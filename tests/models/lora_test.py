@@ -15,7 +15,7 @@ from jrl import nan_guard, rollout, train_state
 from jrl.run import workdir as workdir_lib
 from jrl.models import lora
 from jrl.models import transformer as tfm
-from conftest import tiny_config, tiny_model
+from conftest import REPO, tiny_config, tiny_model
 
 CFG = tiny_model(23)
 CFG = dataclasses.replace(CFG, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=False)
@@ -414,13 +414,12 @@ def test_peft_loads_the_adapter_export(tmp_path):
                 "peft / torch not importable; set JRL_PEFT_PYTHON to an interpreter with them"
             )
         peft_python = sys.executable
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "scripts", "check_peft_export.py")
+    script = os.path.join(REPO, "scripts", "check_peft_export.py")
     out = subprocess.run(
         [sys.executable, script, f"--peft_python={peft_python}", f"--out={tmp_path}"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": root},
+        env={**os.environ, "PYTHONPATH": REPO},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert '"max_abs_logit_diff"' in out.stdout

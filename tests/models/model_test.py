@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from jrl.models import transformer as tfm
-from conftest import tiny_gemma, tiny_model
-
-CFG = tiny_model(23, rope_theta=500.0, qkv_bias=True, tie_word_embeddings=False, value_head=True)
+from helpers.tiny_decoders import CFG, GEMMA_CFG, random_params
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +41,6 @@ def test_left_padding_does_not_change_logits(params):
     np.testing.assert_allclose(a[0], b[0, 2:], atol=1e-5)
 
 
-# Gemma-style: every family option on, layer 0 sliding (window 3) with its own rope theta.
-GEMMA_CFG = tiny_gemma(
-    23,
-    ("sliding_attention", "full_attention"),
-    query_pre_attn_scalar=24.0,
-    attn_logit_softcapping=5.0,
-    final_logit_softcapping=10.0,
-    rope_theta=1e4,
-    rope_local_base_freq=100.0,
-    rope_scaling_type="linear",
-    rope_scaling_factor=2.0,
-)
-
-
 def _decode(cfg, params, prompt, pmask, cont):
     """Prefill a left-padded batch, then decode `cont` token by token: the logits predicting each
     continuation token [B, R]; the rollout's slot layout (prompt in [0, P), response from P)."""
@@ -82,20 +66,13 @@ def _decode(cfg, params, prompt, pmask, cont):
     return np.stack(step_logits, 1)
 
 
-def _random_params(cfg, seed=0, std=0.3):
-    """Params of `cfg` drawn from N(0, std^2), norm scales included (no eager init to trace)."""
-    rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda k: tfm.init_params(cfg, k), jax.random.key(0))
-    return jax.tree.map(lambda s: std * rng.standard_normal(s.shape).astype(np.float32), shapes)
-
-
 _forward = jax.jit(tfm.forward, static_argnums=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_kv_cache_decode_equals_full_forward(params, family):
     """Every decode step's logits equal the full pass (sliding windows applied in both)."""
-    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, _random_params(GEMMA_CFG))
+    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, random_params(GEMMA_CFG))
     prompt = np.array([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
     pmask = (prompt > 0).astype(np.int32)
     cont = np.array([[7, 8, 9, 10], [11, 12, 13, 14]], np.int32)
@@ -116,7 +93,7 @@ def test_per_row_cache_index_writes_each_row_at_its_own_offset(params, family):
     """A [B] cache index: rows take their continuation tokens in different chunks (row 0: 1,
     then 3; row 1: nothing, 3, then 1), a row given the slot past the cache is left unchanged,
     and every token's logits equal the full pass (sliding windows measured per row)."""
-    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, _random_params(GEMMA_CFG))
+    cfg, params = (CFG, params) if family == "llama" else (GEMMA_CFG, random_params(GEMMA_CFG))
     apply = jax.jit(tfm.Transformer(cfg).apply)
     prompt = np.array([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
     pmask = (prompt > 0).astype(np.int32)
@@ -159,7 +136,7 @@ def test_sliding_window_sees_the_last_window_tokens_only():
         intermediate_size=16,
         sliding_window=2,
     )
-    params = _random_params(cfg, std=0.5)
+    params = random_params(cfg, std=0.5)
     ids = np.array([[3, 4, 5, 6, 7], [9, 4, 5, 6, 7]])  # differ at position 0 only
     logits = np.asarray(_forward(cfg, params, jnp.asarray(ids), jnp.ones_like(ids)))
     change = np.abs(logits[0] - logits[1]).max(-1)

@@ -17,12 +17,11 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import tiny_model
+from conftest import GOLDEN, tiny_model
 from jrl import sharding
 from jrl.models import hf, lora, moe
 from jrl.models import transformer as tfm
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 # golden directory -> family; qwen3_moe: layer 0 sparse (8 experts, top 2, weights as the
 # softmax gives them), layer 1 dense (mlp_only_layers); qwen3_moe_topk_norm: layer 0 dense,
 # layer 1 sparse (decoder_sparse_step 2), top-2 weights renormalised; mixtral: both sparse.

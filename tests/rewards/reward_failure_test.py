@@ -21,10 +21,10 @@ import jax
 import numpy as np
 import pytest
 
-from cli_helpers import TINY, cache_env, last_line, start
+from helpers.cli import TINY, cache_env, last_line, start
+from helpers.reward_batches import TEXTS, char_gsm8k_task, jitted, response_arrays, rows_of
 from jrl import rewards
 from jrl.rewards import worker
-from math_rewards_test import TEXTS, jitted, response_arrays, rows_of, task  # noqa: F401
 
 FAULTY = textwrap.dedent(
     """
@@ -95,20 +95,25 @@ CASES = {
 
 
 @pytest.fixture
+def task(tmp_path):
+    return char_gsm8k_task(tmp_path)
+
+
+@pytest.fixture
 def faulty(tmp_path, monkeypatch):
     (tmp_path / "jrlfaulty.py").write_text(FAULTY)
     monkeypatch.syspath_prepend(str(tmp_path))  # passed on to the worker processes
     return "jrlfaulty"
 
 
-def deferred(name, task, timeout_s=0.5):  # noqa: F811 - not the fixture: its value
+def deferred(name, task, timeout_s=0.5):
     reward = rewards.get_reward(name, task, reward_timeout_s=timeout_s)
     rewards.defer_failures(reward)
     return reward
 
 
 @pytest.mark.parametrize("fn", list(CASES))
-def test_each_failure_is_one_line_naming_the_sample(task, faulty, fn):  # noqa: F811
+def test_each_failure_is_one_line_naming_the_sample(task, faulty, fn):
     name = f"{faulty}:{fn}"
     reward = deferred(name, task)
     batch, (r, mk) = rows_of(task), response_arrays()
@@ -129,7 +134,7 @@ def test_each_failure_is_one_line_naming_the_sample(task, faulty, fn):  # noqa: 
             rewards.check(reward)
 
 
-def test_a_working_function_with_prints_and_fractions(task, faulty):  # noqa: F811
+def test_a_working_function_with_prints_and_fractions(task, faulty):
     reward = deferred(f"{faulty}:noisy_fractions", task)
     batch, (r, mk) = rows_of(task), response_arrays()
     scores = np.asarray(jitted(reward)(batch, r, mk))
@@ -137,14 +142,14 @@ def test_a_working_function_with_prints_and_fractions(task, faulty):  # noqa: F8
     rewards.check(reward)
 
 
-def test_without_defer_a_failure_still_raises_inside_jit(task, faulty):  # noqa: F811
+def test_without_defer_a_failure_still_raises_inside_jit(task, faulty):
     reward = rewards.get_reward(f"{faulty}:os_exit", task, reward_timeout_s=5.0)
     batch, (r, mk) = rows_of(task), response_arrays()
     with pytest.raises(Exception, match="ended its process \\(exit status 0"):
         jax.block_until_ready(jitted(reward)(batch, r, mk))
 
 
-def test_a_stop_request_abandons_a_running_reward(task, faulty, monkeypatch):  # noqa: F811
+def test_a_stop_request_abandons_a_running_reward(task, faulty, monkeypatch):
     monkeypatch.setattr(worker, "STOP_GRACE_S", 0.2)
     reward = deferred(f"{faulty}:hangs", task, timeout_s=600.0)
     batch, (r, mk) = rows_of(task), response_arrays()

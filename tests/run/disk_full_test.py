@@ -1,12 +1,12 @@
 """A full disk while writing metrics, config.json or a checkpoint stops the run with exit status 4
 and one line naming the path and the error; the checkpoints committed before stay valid and the
-next start resumes from the newest (tests/write_fault.py injects the errors)."""
+next start resumes from the newest (tests/helpers/write_fault.py injects the errors)."""
 
 import os
 
-from cli_helpers import TINY, cache_env, last_line, run, steps
+from helpers.cli import TINY, cache_env, last_line, run, steps
 
-FAULT = ("tests/write_fault.py",)
+FAULT = ("tests/helpers/write_fault.py",)
 
 
 def test_full_disk_exits_4_naming_the_path_and_the_next_start_resumes(tmp_path_factory):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 
-from cli_helpers import TINY, cache_env, comparable, rows, run, start, steps
+from helpers.cli import TINY, cache_env, comparable, rows, run, start, steps
 
 TOTAL, EVERY, KILLS = 24, 2, 10
 ARGS = [*TINY, f"--config.total_steps={TOTAL}", f"--config.checkpoint.every_steps={EVERY}"]

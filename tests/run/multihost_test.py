@@ -7,7 +7,9 @@ import socket
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import REPO
+
+AGREE = os.path.join(REPO, "tests", "helpers", "multihost_agree.py")  # one process
 
 
 def test_hosts_end_with_process_0s_values():
@@ -18,15 +20,16 @@ def test_hosts_end_with_process_0s_values():
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "PYTHONPATH": REPO,  # this checkout's jrl, whatever jrl is installed
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "multihost_agree.py"), str(port), str(i)],
+            [sys.executable, AGREE, str(port), str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            cwd=os.path.dirname(HERE),
+            cwd=REPO,
         )
         for i in range(2)
     ]

@@ -7,7 +7,7 @@ import fnmatch
 import hashlib
 import json
 
-from cli_helpers import TINY, cache_env, last_line, run
+from helpers.cli import TINY, cache_env, last_line, run
 from jrl import config as config_lib
 from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import console

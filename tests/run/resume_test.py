@@ -14,7 +14,7 @@ from conftest import REPO
 # Tiny run, 8 steps, a checkpoint every step; no warm-up so each start is quick. Multi-turn
 # rollouts with the calc tool (compact format): the random model's `>` pauses rows and the host
 # answers them (mostly with errors: a `>` without a `<`), so resuming is checked with tools on;
-# one-turn runs are killed and resumed at random moments in tests/kill_test.py.
+# one-turn runs are killed and resumed at random moments in tests/run/kill_test.py.
 TOTAL = 8
 ARGS = [
     "--config=configs/grpo_math.py:tiny",

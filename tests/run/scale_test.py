@@ -2,7 +2,7 @@
 processes of 4 devices each: the same metrics and parameters, within float32 tolerances; a
 SIGTERM to one process stops both after the same step.
 
-The runs train on a GSM8K-style file with a Python reward (`tests/scale_rewards.py`, through
+The runs train on a GSM8K-style file with a Python reward (`tests/helpers/scale_rewards.py`, through
 `jax.pure_callback`), so the host-side reward path is checked on every layout too."""
 
 import json
@@ -22,9 +22,9 @@ from jrl.run import checkpoint as checkpoint_lib
 from jrl.run import trainer
 from jrl import train_state
 from jrl.models import transformer
-from conftest import REPO, tiny_config
+from conftest import GOLDEN, REPO, tiny_config
 
-DATA = os.path.join(REPO, "tests", "golden", "scale_gsm8k.jsonl")
+DATA = os.path.join(GOLDEN, "scale_gsm8k.jsonl")
 # The tiny model with 8 prompts per step (so 8 devices can split them), no warm-up (parameters
 # are created straight into their shards) and a reward that differs within groups.
 OVERRIDES = {
@@ -38,7 +38,7 @@ OVERRIDES = {
     "task.eval_files": DATA,
     "data.max_prompt_length": 128,
     "data.max_response_length": 8,
-    "task.reward": "tests.scale_rewards:vowel_share",
+    "task.reward": "tests.helpers.scale_rewards:vowel_share",
 }
 # data x fsdp x tensor: every axis split at once, and the widest tensor split (the rows are split
 # over data in the first; a pure data split's parameter layout is checked in tests/sharding_test.py)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from cli_helpers import TINY, cache_env, run, start, steps
+from helpers.cli import TINY, cache_env, run, start, steps
 
 TOTAL = 3
 ARGS = [*TINY, "--config.checkpoint.every_steps=1", "--config.eval_every=0"]

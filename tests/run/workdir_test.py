@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from cli_helpers import REPO, TINY, cache_env, last_line, steps
-from cli_helpers import run as cli_run
-from cli_helpers import start as cli_start
+from helpers.cli import REPO, TINY, cache_env, last_line, steps
+from helpers.cli import run as cli_run
+from helpers.cli import start as cli_start
 from jrl.run import workdir as workdir_lib
 
 

@@ -23,19 +23,20 @@ import uuid
 import numpy as np
 import pytest
 
-from jrl import tools
-from jrl.tools import calc, python_tool
-from jrl.tools.host import make_tool_host
-from tools_test import (
+from conftest import tiny_config
+from helpers.tools_fixtures import (
     TOOL_BLOCK,
     blocks,
     call_text,
-    char_tokenizer,
     multi_turn_config,
     pause,
     qwen_style_tokenizer,
     stat,
 )
+from jrl import tools
+from jrl.tokenizer import char_tokenizer
+from jrl.tools import calc, python_tool
+from jrl.tools.host import make_tool_host
 
 needs_sandbox = pytest.mark.skipif(
     shutil.which("bwrap") is None,
@@ -544,30 +545,30 @@ def test_hostile_calls_in_the_fused_step(guard):
     no process outlived its call (the guard)."""
     import jax
 
-    import multi_turn_hermes_step_test as mt
+    from helpers import hermes_script
 
     bodies = hostile_bodies(guard)
     tok = qwen_style_tokenizer(extra_tokens=list(bodies.values()))
     turns = 4
     fields = {
-        **mt.HERMES,
+        **hermes_script.HERMES,
         "data.train_batch_size": 2,
         "rollout.multi_turn.tools": "calc,hostile_tools_test:PYTHON",
         "rollout.multi_turn.max_assistant_turns": turns,
         "rollout.multi_turn.tool_timeout": WALL_S + 2,
     }
-    block = make_tool_host(mt.tiny_config(**fields), tok, max_response_length=4096).block_size
+    block = make_tool_host(tiny_config(**fields), tok, max_response_length=4096).block_size
     r = turns * 4 + (turns - 1) * block + 4  # every row ends at its last turn, never full
-    cfg = mt.tiny_config(**{**fields, "data.max_response_length": r})
-    model_cfg, params = mt.scripted_model(cfg, tok, bodies=bodies)
-    host = mt.Recorder(make_tool_host(cfg, tok, max_response_length=r))
+    cfg = tiny_config(**{**fields, "data.max_response_length": r})
+    model_cfg, params = hermes_script.scripted_model(cfg, tok, bodies=bodies)
+    host = hermes_script.Recorder(make_tool_host(cfg, tok, max_response_length=r))
     ids = dict(eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, max_new_tokens=r, tool_host=host)
     from jrl import step as step_lib
     from jrl import train_state
     from jrl.run import trainer
 
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
-    step = jax.jit(step_lib.make_step(cfg, model_cfg, mt.scripted_reward, **ids))
+    step = jax.jit(step_lib.make_step(cfg, model_cfg, hermes_script.scripted_reward, **ids))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     body_ids = {tok.convert_tokens_to_ids(b): name for name, b in bodies.items()}
     seen = set()

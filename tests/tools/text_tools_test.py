@@ -1,6 +1,6 @@
 """Tool calls written in the text (format `tags`, jrl/tools/formats.py) with stop strings
-(jrl/stop_strings.py), on tiny real BPE tokenizers (tests/text_tokenizers.py), and the task and
-config built on them (jrl/data/calc_products.py, configs/gemma_tools_cpu.py).
+(jrl/stop_strings.py), on tiny real BPE tokenizers (tests/helpers/text_tokenizers.py), and the task
+and config built on them (jrl/data/calc_products.py, configs/gemma_tools_cpu.py).
 
 `run_turns` plays the decode loop's part as docs/multi_turn.md states it (a byte tail per row,
 stepped with each token; a row waits at a stop id or when the tail's text holds a stop string;
@@ -22,8 +22,8 @@ from jrl.shaping import final_turn_mask
 from jrl.tools import TOOLS
 from jrl.tools.formats import FORMATS, Call, FormatError
 from jrl.tools.host import STAT_NAMES, make_tool_host
-from text_tokenizers import byte_bpe, sentencepiece_bpe
-from tools_test import blocks, multi_turn_config, pause, qwen_style_tokenizer
+from helpers.text_tokenizers import byte_bpe, sentencepiece_bpe
+from helpers.tools_fixtures import blocks, multi_turn_config, pause, qwen_style_tokenizer
 
 TOKENIZERS = [byte_bpe, sentencepiece_bpe]
 
