@@ -173,7 +173,7 @@ def _qwen7(c):  # Qwen2.5-7B(-Instruct): 7.61B parameters (6.53B without the emb
 # data parallelism over hosts for the rest (only gradients cross hosts), tensor parallelism never:
 # with FSDP alone every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting
 # heads would add two all-reduces per layer. State per device with the KL-loss reference (float32
-# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
+# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/cli/presets_test.py.
 # Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
 # are multiples of data x fsdp, so they split evenly. Activations no longer bound them (chunked
 # log-probs, block remat, micro-batches of the _hf_model settings): the figures in the comments

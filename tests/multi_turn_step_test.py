@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import faulty_tools
-from conftest import tiny_config
+from conftest import GOLDEN, tiny_config
+from helpers import faulty_tools
 from jrl import logprobs
 from jrl import step as step_lib
 from jrl import shaping
@@ -66,7 +66,7 @@ def calling_params(cfg, model_cfg, tok, boost=2.0, scale=5.0, attention=10.0):
 # metric of the second step and, per parameter leaf, its sum and sum of squares (float64). On the
 # machines this was checked on, the two trees give the same bits (sha256 of the parameters and
 # metrics equal); the bits differ between CPU types, so the test compares values within rtol.
-REFERENCE = os.path.join(os.path.dirname(__file__), "golden", "multi_turn_off_reference.json")
+REFERENCE = os.path.join(GOLDEN, "multi_turn_off_reference.json")
 
 
 def reference_run(name):
@@ -242,7 +242,7 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
     cfg = tiny_config(
         **MULTI_TURN,
         **{
-            "rollout.multi_turn.tools": "faulty_tools:flaky",
+            "rollout.multi_turn.tools": "helpers.faulty_tools:flaky",
             "rollout.multi_turn.tool_timeout": 0.25,
         },
     )
