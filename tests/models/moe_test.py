@@ -424,11 +424,12 @@ def test_checkpoint_errors_name_the_expert_tensor(tmp_path):
         hf.load_pretrained(path)
 
 
-def test_lora_adapts_attention_where_no_layer_has_a_dense_mlp(loaded):
-    """LoRA on experts is not there yet: the default targets adapt Mixtral's attention only."""
+def test_lora_adapts_attention_and_experts_where_no_layer_has_a_dense_mlp(loaded):
+    """The default targets adapt Mixtral's attention and its experts (one A / B per expert:
+    tests/moe_step_test.py), no dense MLP (it has none)."""
     targets = lora.target_list("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     adapters = lora.init_adapters(loaded("mixtral")[1], targets, 2, jax.random.key(0))
-    assert set(adapters["layers"]) == {"attn"}
+    assert set(adapters["layers"]) == {"attn", "moe"}
 
 
 def test_transformers_loads_the_export(loaded, tmp_path):
