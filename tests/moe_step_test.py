@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import sample, tiny_config, tiny_model
+from conftest import GOLDEN, sample, tiny_config, tiny_model
 from jrl import config as config_lib
 from jrl import logprobs, multi_turn, rollout, router_replay
 from jrl import step as step_lib
@@ -26,9 +26,8 @@ from jrl import train_state
 from jrl.models import hf, lora
 from jrl.models import transformer as tfm
 from jrl.run import trainer
-from multi_turn_test import CALL, EOS, PAD, PMASK, PROMPTS, ScriptedHost
+from helpers.scripted_host import CALL, EOS, PAD, PMASK, PROMPTS, ScriptedHost
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 IDS = np.load(os.path.join(GOLDEN, "input_ids.npy"))
 MASK = np.load(os.path.join(GOLDEN, "attention_mask.npy"))
 PROMPT, RESPONSE = router_replay.PROMPT, router_replay.RESPONSE
@@ -134,8 +133,9 @@ def moe_step(mode: str, **changes):
             **changes,
         }
     )
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
-    model_cfg = dataclasses.replace(model_cfg, **{**EXPERTS, "moe_intermediate_size": 16})
+    built = trainer.build(cfg)
+    tok, task, reward_fn = built.tokenizer, built.task, built.reward_fn
+    model_cfg = dataclasses.replace(built.model_cfg, **{**EXPERTS, "moe_intermediate_size": 16})
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task)))
     key = jax.random.key(0)
     params = near_ties(tfm.init_params(model_cfg, key), scale=2.0)

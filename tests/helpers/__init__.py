@@ -18,6 +18,7 @@
 - `tiny_decoders`: the Llama-like and Gemma-like decoders of the model tests, random parameters.
 - `reward_batches`: a GSM8K task of the character tokenizer, hand-written responses to its eval
   prompts, a reward jitted over them.
+- `scripted_host`: a tool host answering a tiny model's calls from a script (multi-turn rollouts).
 
 tests/ is on sys.path in every test (pytest puts the conftest's folder there), so a test imports
 these as `from helpers.cli import run`; a subprocess started with the repository as its current
