@@ -221,7 +221,7 @@ def _qwen3_moe_small(c):  # a small Qwen3-MoE shape for benches (no such checkpo
 # every Qwen2.5 preset up to 7B fits where it is meant to run, and splitting heads would add two
 # all-reduces per layer. A mixture of experts splits its experts over the expert axis, which is
 # one more FSDP axis for everything else. State per device with the KL-loss reference (float32
-# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/presets_test.py.
+# params + Adam mu, nu + reference = 16 bytes/parameter) is checked in tests/cli/presets_test.py.
 # Batch sizes are in prompts (x rollout.n = 8 rows): a step's prompts and a mini-batch's rows
 # are multiples of data x fsdp (x expert), so they split evenly. Activations no longer bound them
 # (chunked log-probs, block remat, micro-batches of the _hf_model settings): the figures in the

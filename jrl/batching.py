@@ -151,8 +151,9 @@ def accumulate_grads(loss_fn: Callable, params, batch, b: Batching, *args, key=N
     `b.micro` micro-batches: one forward / backward each (`lax.scan`), gradients summed in
     float32; with buckets, each micro-batch's loss trimmed (rows ordered by response length
     first). The loss and every metric of a micro-batch must be its share of the whole batch's
-    (normalised by the whole batch: `losses.batch_counts`), so the sums equal the whole batch's.
-    With a `key` (LoRA dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`."""
+    (normalised by the whole batch: `losses.batch_counts`), so the sums equal the whole batch's;
+    a metric named "..._max" is a micro-batch's maximum, and the batch's is the largest. With a
+    `key` (LoRA dropout) micro-batch i gets `loss_fn(..., key=split(key, k)[i])`."""
     if b.buckets:
         batch = _take(batch, buckets_lib.length_order(batch, b.micro, b.group))
         untrimmed = loss_fn
@@ -175,4 +176,10 @@ def accumulate_grads(loss_fn: Callable, params, batch, b: Batching, *args, key=N
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
     grads, metrics = jax.lax.scan(micro, zeros, (split_rows(batch, k, b.group), keys))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+    return grads, {name: _reduce(name)(m, axis=0) for name, m in metrics.items()}
+
+
+def _reduce(name: str):
+    """How a metric of the micro-batches makes the batch's: a maximum (a name ending in
+    "_max") is the largest, every other metric (a share of the batch's) their sum."""
+    return jnp.max if name.endswith("_max") else jnp.sum

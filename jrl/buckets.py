@@ -23,7 +23,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-PROMPT_KEYS = ("input_ids", "attention_mask")  # [rows, P]: never trimmed
+from jrl import router_replay
+
+# [rows, P, ...]: never trimmed, nor padded back (inputs, and outputs by these names)
+PROMPT_KEYS = ("input_ids", "attention_mask", router_replay.PROMPT)
 
 
 def bucket_sizes(buckets, r: int) -> tuple[int, ...]:
@@ -42,7 +45,8 @@ def row_ends(rows) -> jax.Array:
 
 def trimmed(fn: Callable, rows, sizes: tuple[int, ...]):
     """fn(rows) with the response axis cut to the smallest of `sizes` holding every row's
-    response (`lax.switch`); outputs with that axis padded back to R with zeros."""
+    response (`lax.switch`); outputs with that axis padded back to R with zeros (but those
+    named in PROMPT_KEYS, when fn returns a dict)."""
     r = rows["response_mask"].shape[1]
     if len(sizes) <= 1:
         return fn(rows)
@@ -58,7 +62,10 @@ def trimmed(fn: Callable, rows, sizes: tuple[int, ...]):
                 if x.ndim >= 2 and x.shape[1] == width
                 else x
             )
-            return jax.tree.map(pad, fn(cut))
+            out = fn(cut)
+            if isinstance(out, dict):
+                return {k: v if k in PROMPT_KEYS else jax.tree.map(pad, v) for k, v in out.items()}
+            return jax.tree.map(pad, out)
 
         return run
 

@@ -8,6 +8,10 @@ for t = 0), and so is `values[:, t]` = V(prompt, y_<t).
 
 With `group` = n (`jrl.batching.prompt_groups` says where: model.shared_prompt_forward) the n
 rows of a GRPO group run their shared prompt once (`transformer.grouped_response_forward`).
+
+A mixture-of-experts policy's forward can replay recorded experts (`routing`, routing replay:
+`jrl.router_replay`) and report its own (`with_experts`) and its router's load-balancing loss
+(`with_aux_loss`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jrl import sharding
+from jrl import router_replay, sharding
 from jrl.models import attention as attention_lib
-from jrl.models import transformer
+from jrl.models import moe, transformer
 
 
 def token_log_probs(
@@ -85,6 +89,9 @@ def response_outputs(
     entropy_grad: bool = True,
     with_sum_pi_squared: bool = False,
     group: int = 1,
+    routing=None,
+    with_experts: bool = False,
+    with_aux_loss: bool = False,
 ) -> dict[str, jax.Array]:
     """One forward over prompt + response. Returns, for response positions [B, R] (verl alignment):
     `log_prob` = log pi(y_t | prompt, y_<t) under softmax(logits / T) (with an lm head),
@@ -93,19 +100,40 @@ def response_outputs(
     Logits are taken `model_cfg.logits_chunk_size` positions at a time (`token_log_probs`).
     `group` = n > 1: every n consecutive rows share their prompt (a GRPO group); where
     `grouped_forward_suits`, each prompt then runs once (`transformer.grouped_response_forward`;
-    responses padded only after their last real token, as the rollout writes them)."""
+    responses padded only after their last real token, as the rollout writes them).
+
+    A model with experts: `routing` = (prompt [B, P, S, k], response [B, R, S, k]) experts to
+    replay (`jrl.router_replay`'s layout; -1: the router's own) or None; `with_experts` adds the
+    forward's own, `router_replay.PROMPT` / `RESPONSE` in the same layout; `with_aux_loss` adds
+    `router_aux_loss`, the load-balancing loss of the forward's real tokens (a scalar)."""
     p, length = prompt_ids_BP.shape[1], prompt_ids_BP.shape[1] + response_ids_BR.shape[1]
     if group > 1 and grouped_forward_suits(model_cfg, length):
         prompts = slice(None, None, group)  # the first row of each group
-        hidden, head, values, *_ = transformer.grouped_response_forward(
-            model_cfg, params, prompt_ids_BP[prompts], prompt_mask_BP[prompts], response_ids_BR
+        replay = None
+        if routing is not None:  # the group's prompt once, every row's response
+            replay = tuple(router_replay.layers_first(r) for r in routing)
+            replay = (replay[0][:, prompts], replay[1])
+        out = transformer.grouped_response_forward(
+            model_cfg,
+            params,
+            prompt_ids_BP[prompts],
+            prompt_mask_BP[prompts],
+            response_ids_BR,
+            replay,
+            response_mask_BR,
         )
+        hidden, values = out.hidden, out.values
     else:
         ids = jnp.concatenate([prompt_ids_BP, response_ids_BR], axis=1)
         mask = jnp.concatenate([prompt_mask_BP, response_mask_BR], axis=1)
-        hidden, head, values, *_ = transformer.full_forward(model_cfg, params, ids, mask)
-        hidden, values = hidden[:, p - 1 : -1], None if values is None else values[:, p - 1 : -1]
-    out = {}
+        replay = None
+        if routing is not None:
+            replay = router_replay.layers_first(jnp.concatenate(routing, axis=1))
+        out = transformer.full_forward(model_cfg, params, ids, mask, replay)
+        hidden = out.hidden[:, p - 1 : -1]
+        values = None if out.values is None else out.values[:, p - 1 : -1]
+    head = out.head
+    result = {}
     if head is not None:
         log_prob, entropy, *extra = token_log_probs(
             model_cfg,
@@ -117,14 +145,19 @@ def response_outputs(
             entropy_grad,
             with_sum_pi_squared,
         )
-        out["log_prob"] = log_prob
+        result["log_prob"] = log_prob
         if with_entropy:
-            out["entropy"] = entropy
+            result["entropy"] = entropy
         if with_sum_pi_squared:
-            out["sum_pi_squared"] = extra[0]
+            result["sum_pi_squared"] = extra[0]
     if values is not None:
-        out["values"] = values
-    return out
+        result["values"] = values
+    if with_experts:  # [S, B, P + R, k] -> the prompt's and the response's, rows first
+        own = router_replay.rows_first(out.routing.experts, model_cfg.num_experts)
+        result[router_replay.PROMPT], result[router_replay.RESPONSE] = own[:, :p], own[:, p:]
+    if with_aux_loss:
+        result["router_aux_loss"] = moe.load_balancing_loss(out.routing)
+    return result
 
 
 def grouped_forward_suits(model_cfg, length: int) -> bool:

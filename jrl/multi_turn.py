@@ -30,6 +30,12 @@ calls need no ordering token, since each one's inputs depend on the previous one
 through the loop carry. Under a mesh the host gets whole [B] arrays (the callback runs on one
 device's host); with asynchronous dispatch its own counts are complete only once the outputs
 are ready.
+
+With `record_experts` (routing replay R3, `jrl.router_replay`) every token's experts are
+recorded as `rollout.generate` records them, tool tokens included: the block forward that
+writes a tool answer into the cache routes its tokens, and those experts are the ones the
+training forwards replay (the tool tokens are context for every later model token, so their
+routing shapes the later log-probs as the model's own tokens' does).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jrl import rollout
+from jrl import rollout, router_replay
 from jrl.models import transformer
 
 
@@ -87,6 +93,8 @@ class MultiTurnRollout(NamedTuple):
     assistant_turns: jax.Array  # [B] int32: model turns (stretches of model tokens) of the row
     num_turns: jax.Array  # [B] int32: verl's count, model turns + tool blocks appended + 1
     stats: jax.Array  # [B, S] float32: the host's stats, summed over the row's calls
+    # with record_experts: `rollout.Recorded` (model and tool tokens' experts); else None
+    experts: rollout.Recorded | None = None
 
 
 class _Turns(NamedTuple):
@@ -136,7 +144,8 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
     `rollout.sample_token`'s); model token t of row b is drawn with the same uniform as there
     (the one of response slot t). One more option, `force_ids` ([B, R] int32 or None, for
     scripted tests): where >= 0, the model token at that response slot is this id instead of a
-    draw; its log-prob is still the policy's.
+    draw; its log-prob is still the policy's. `record_experts` (a model with experts): the
+    result's `experts` (see the module docstring).
 
     The decode is `rollout.generate`'s loop (`rollout.decode_loop`, each row at its own
     response slot) with the turn below as its hook."""
@@ -144,7 +153,7 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
         options.pop(k) for k in ("max_new_tokens", "eos_id", "pad_id")
     )
     samples, force_ids = options.pop("samples", 1), options.pop("force_ids", None)
-    sampling = options  # temperature, top_k, top_p, greedy
+    sampling = options  # temperature, top_k, top_p, greedy, record_experts
     stop_ids = tuple(int(i) for i in host.stop_ids)
     k, s = int(host.block_size), len(tuple(getattr(host, "stat_names", ())))
     if eos_id not in stop_ids:
@@ -178,15 +187,24 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
         n = jnp.where(waiting, jnp.clip(res.block_len, 0, jnp.minimum(k, r - rows.length)), 0)
         block = jnp.asarray(res.block_ids, jnp.int32)
 
-        def append(logits, cache):
+        def append(logits, cache, experts):
             at = rows._replace(cache=cache)
             out = rollout.forward(model_cfg, variables, opts, at, block, rows.length, n > 0)
             last = jnp.take_along_axis(out.hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)
             new = transformer.lm_logits(model_cfg, last[:, 0], out.head, decode=True)
-            return jnp.where((n > 0)[:, None], new, logits), rollout.pin(out.cache)
+            if experts is not None:  # the block's tokens' experts, at their slots
+                experts = router_replay.write_experts(
+                    experts, rows_b, rows.length, out.routing.experts, n
+                )
+            return jnp.where((n > 0)[:, None], new, logits), rollout.pin(out.cache), experts
 
-        grow = lambda lc: append(*lc)
-        logits, cache = rollout.when(jnp.any(n > 0), grow, (rows.logits, rows.cache))
+        grow = lambda lce: append(*lce)
+        recorded = None if c.experts is None else c.experts.response
+        logits, cache, recorded = rollout.when(
+            jnp.any(n > 0), grow, (rows.logits, rows.cache, recorded)
+        )
+        if recorded is not None:
+            c = c._replace(experts=c.experts._replace(response=recorded))
         start, length = rows.length, rows.length + n
         done = rows.done | (waiting & res.finished) | (length >= r)
         next_turn = (n > 0) & ~done  # a new model turn starts after the block
@@ -229,4 +247,5 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
         state.turns,
         state.turns + state.blocks + 1,
         state.stats,
+        c.experts,
     )

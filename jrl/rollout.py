@@ -9,6 +9,11 @@ whatever its padding.
 whose bytes complete one of `stop_strings`) and 0 after it; `log_probs[:, t]` is
 log pi(y_t | prompt, y_<t) under the temperature-scaled (but not top-k / top-p filtered) policy,
 the same quantity the update recomputes.
+
+With `record_experts` (routing replay R3, `jrl.router_replay`) a mixture-of-experts model's
+rollout also returns each token's experts in every sparse layer: the prefill's for the prompt,
+each decode step's forward for the token it feeds (`Carry.experts`, at the original rows, so
+compaction leaves them in place); -1 where no forward ran (the last slot's token).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl import partitioning
+from jrl import router_replay
 from jrl.models import transformer
 from jrl.sampling import filter_logits, sample_token  # noqa: F401 (rollout.sample_token)
 
@@ -27,6 +33,15 @@ class Rollout(NamedTuple):
     response_ids: jax.Array  # [B, R] int32, pad after EOS
     response_mask: jax.Array  # [B, R] int32, 1 up to and including EOS
     log_probs: jax.Array  # [B, R] float32, 0 where masked
+    # with record_experts: `Recorded` (the experts of every token, `jrl.router_replay`); else None
+    experts: Recorded | None = None
+
+
+class Recorded(NamedTuple):
+    """Each token's experts in the S sparse layers (top k, `jrl.router_replay`'s layout)."""
+
+    prompt: jax.Array  # [B, P, S, k]: the prefill's, each prompt's copied to its rows
+    response: jax.Array  # [B, R, S, k]: each decode step's for the token it forwards; -1: none
 
 
 MAX_DECODE_STAGES = 4  # each stage compiles the decode step once more
@@ -65,6 +80,7 @@ class Options(NamedTuple):
     # `jrl.stop_strings.StopStrings`: a row stops at the token whose bytes complete one of its
     # strings in the text of the row's current turn (a byte tail per row, `_Rows.tail`); None: off
     stop_strings: Any = None
+    record_experts: bool = False  # record each token's experts (`Carry.experts`; R3 replay)
 
 
 class Draws(NamedTuple):
@@ -98,6 +114,7 @@ class Carry(NamedTuple):
     mask: jax.Array  # [B, R] int32: 1 on sampled tokens
     logps: jax.Array  # [B, R] float32
     turn: Any = None  # the turn hook's state (multi-turn); None without one
+    experts: Recorded | None = None  # with Options.record_experts: at the original rows
 
 
 def when(pred, fn, operand):
@@ -126,7 +143,9 @@ def pin(cache):
 
 def prepare(model_cfg, params):
     """The variables every decode step reads, made ready once before the loop: the stacked
-    layers split, the matrices cast to the compute dtype (`transformer.unstack_layers`)."""
+    layers split, the matrices cast to the compute dtype (`transformer.unstack_layers`), the
+    experts' LoRA adapters folded into their weights (`transformer.fold_expert_adapters`)."""
+    params = transformer.fold_expert_adapters(model_cfg, params)
     return transformer.variables(transformer.unstack_layers(model_cfg, params))
 
 
@@ -151,12 +170,18 @@ def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opt
         jnp.zeros((b,), jnp.int32),
         None if opts.stop_strings is None else opts.stop_strings.init(b),
     )
+    experts = None
+    if opts.record_experts:  # the prompts' experts per row; no response token forwarded yet
+        prompt = router_replay.rows_first(pre.routing.experts, model_cfg.num_experts)
+        response = router_replay.unrecorded(b, opts.r, model_cfg)
+        experts = Recorded(jnp.repeat(prompt, samples, axis=0), response)
     return Carry(
         jnp.int32(0),
         rows,
         jnp.full((b, opts.r), opts.pad_id, jnp.int32),
         jnp.zeros((b, opts.r), jnp.int32),
         jnp.zeros((b, opts.r), jnp.float32),
+        experts=experts,
     )
 
 
@@ -241,6 +266,12 @@ def decode_step(model_cfg, variables, draws: Draws, opts: Options, carry: Carry)
     out = forward(
         model_cfg, variables, opts, rows, token[:, None], slot, live if opts.per_row else True
     )
+    if opts.record_experts:  # the forwarded token's experts, at its row and slot
+        rows_b = jnp.arange(live.shape[0]) if rows.index is None else rows.index
+        response = router_replay.write_experts(
+            carry.experts.response, rows_b, slot, out.routing.experts, live.astype(jnp.int32)
+        )
+        carry = carry._replace(experts=carry.experts._replace(response=response))
     length = rows.length + live.astype(jnp.int32)
     rows = rows._replace(
         logits=transformer.lm_logits(model_cfg, out.hidden[:, -1], out.head, decode=True),
@@ -296,6 +327,7 @@ def generate(
     forced_length=None,
     force_ids=None,
     compact_min_rows: int = 0,
+    record_experts: bool = False,
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
     `stop_ids` are more tokens that end a row as EOS does (kept in the response and its mask).
@@ -319,11 +351,14 @@ def generate(
     response is exactly that long whatever the model samples. Its `log_probs` are the policy's
     (unmasked) log-probs of the tokens written. None: plain sampling. `force_ids` ([B, R] int32
     or None, for scripted tests): where >= 0, the token at that response slot is this id instead
-    of a draw; its log-prob is still the policy's."""
+    of a draw; its log-prob is still the policy's.
+
+    `record_experts` (a model with experts; routing replay R3): `Rollout.experts` holds every
+    token's experts (see the module docstring)."""
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
-    opts = opts._replace(stop_strings=stop_strings)
+    opts = opts._replace(stop_strings=stop_strings, record_experts=record_experts)
     variables = prepare(model_cfg, params)  # once, outside the decode loop
     forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
     force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)
@@ -346,10 +381,12 @@ def generate(
         def rest(c: Carry) -> Carry:  # the live rows move into a batch of `size` rows
             rows = _compact(c.rows, next_size)
             out = run_from(i + 1, c._replace(rows=rows._replace(cache=pin(rows.cache))))
-            return c._replace(t=out.t, ids=out.ids, mask=out.mask, logps=out.logps)
+            return c._replace(
+                t=out.t, ids=out.ids, mask=out.mask, logps=out.logps, experts=out.experts
+            )
 
         # none live (every row ended in this stage): no gather of the caches, no later stage
         return when(jnp.any(~carry.rows.done), rest, carry)
 
     carry = run_from(0, start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples, opts))
-    return Rollout(carry.ids, carry.mask, carry.logps)
+    return Rollout(carry.ids, carry.mask, carry.logps, carry.experts)

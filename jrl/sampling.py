@@ -141,7 +141,10 @@ def _inverse_cdf(u_B, x_BV, m_B, floor_B=None, block: int = BLOCK):
     reached_BN = (sums_BN > 0) & (cdf_BN >= threshold_B[:, None])
     j_B = _pick(reached_BN, sums_BN > 0)
     before_B = jnp.where(j_B > 0, jnp.take_along_axis(cdf_BN, j_B[:, None] - 1, -1)[:, 0], 0.0)
-    x_BC = jax.vmap(_row_block, (0, 0, None))(x_BV, j_B * block, block)
+    if x_BV.shape[-1] == block:  # a vocabulary of one block: the row is the block
+        x_BC = x_BV
+    else:
+        x_BC = jax.vmap(_row_block, (0, 0, None))(x_BV, j_B * block, block)
     w_BC = weight(x_BC)
     cdf_BC = before_B[:, None] + jnp.cumsum(w_BC, axis=-1)
     r_B = _pick((w_BC > 0) & (cdf_BC >= threshold_B[:, None]), w_BC > 0)

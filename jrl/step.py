@@ -26,6 +26,11 @@ With a tool host (`StepSpec.tool_host`, rollout.multi_turn.enable) the rollout i
 (`jrl.multi_turn`): tool tokens sit in the response with `response_mask` 0 and
 `response_valid` 1; the reward and the forwards read `response_valid`, everything else
 `response_mask` (docs/multi_turn.md#in-the-step).
+
+A mixture-of-experts policy with routing replay (actor.router_replay.mode, `jrl.router_replay`)
+carries recorded experts with the experience (`prompt_routed_experts`,
+`response_routed_experts`): the rollout's (R3), replayed by the old-log-prob forward and the
+update, or the old-log-prob forward's own (R2), replayed by the update.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import ml_collections
 import optax
 
 from jrl import batching, logprobs, multi_turn, nan_guard, rollout, shaping, step_metrics
+from jrl import router_replay
 from jrl.algos import advantages as adv_lib
 from jrl.algos import kl as kl_lib
 from jrl.algos import losses
@@ -165,7 +171,9 @@ def make_spec(
     """The `StepSpec` of a config. `model_cfg` is the policy's (see `model_configs`); `mesh` (the
     one the step is jitted over) sets how many rows each device holds, which the micro-batch
     sizes divide; `tool_host`: the multi-turn host (`jrl.run.trainer.sampling_ids` builds it
-    when rollout.multi_turn.enable), None for one-turn rollouts."""
+    when rollout.multi_turn.enable), None for one-turn rollouts. Raises ConfigError for
+    routing replay or a router aux loss on a dense policy (`router_replay.check_experts`)."""
+    router_replay.check_experts(cfg, model_cfg is None or model_cfg.num_experts > 0)
     return StepSpec(
         cfg=cfg,
         model_cfg=model_cfg,
@@ -231,7 +239,7 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
     the tools' rewards. The reward reads the response; of a multi-turn one only the model's final
     turn (`final_turn_mask`), never a tool's answer. A multi-turn rollout also keeps
     `response_valid`, `rollout_log_prob`, `tool_reward`, `num_turns`, `assistant_turns` and
-    `tool_stats`."""
+    `tool_stats`; routing replay R3 the experts of every token (`router_replay.KEYS`)."""
     cfg, n = spec.cfg, 1 if greedy else spec.n
     rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, n, axis=0), prompts)
     out, valid = sample_responses(
@@ -248,8 +256,11 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
         greedy=greedy,
         forced_length=None if greedy else spec.forced_length,
         compact_min_rows=cfg.rollout.compact_min_rows if cfg.rollout.compact_decode else 0,
+        record_experts=router_replay.records_rollout(cfg) and not greedy,
     )
     exp = {**rows, "response_ids": out.response_ids, "response_mask": out.response_mask}
+    if out.experts is not None:  # R3: what the training forwards replay
+        exp[router_replay.PROMPT], exp[router_replay.RESPONSE] = out.experts
     multi = spec.tool_host is not None
     if multi:
         exp.update(
@@ -259,7 +270,8 @@ def rollout_and_reward(spec: StepSpec, params, prompts: Batch, key, greedy=False
             assistant_turns=out.assistant_turns,
             tool_stats=out.stats,
         )
-    if multi or cfg.algorithm.rollout_correction.enable:  # the rollout's own log-probs
+    replay = router_replay.mode(cfg) != "disabled"  # its metrics compare them with the old
+    if multi or cfg.algorithm.rollout_correction.enable or replay:  # the rollout's own log-probs
         exp["rollout_log_prob"] = out.log_probs
     read = shaping.final_turn_mask(out.response_mask, valid)
     acc = spec.reward_fn(exp, out.response_ids, read, eos_id=spec.eos_id)
@@ -313,18 +325,45 @@ def forward(spec: StepSpec, model_cfg, params, rows: Batch, name: str, **outputs
     )
 
 
+def _moe_outputs(rows: Batch, **outputs) -> dict:
+    """`response_outputs`' routing arguments of a policy forward: the experts `rows` carry to
+    replay (routing replay; none: the routers' own), and the `outputs` asked for when true."""
+    replay = router_replay.replayed(rows)
+    extra = {"routing": replay} if replay is not None else {}
+    return {**extra, **{k: True for k, on in outputs.items() if on}}
+
+
 def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
     """Old (unless on-policy or bypass mode) and reference log-probs and values of some rows.
     (Bypass mode with a value head on the policy still runs the policy's forward, for the
-    values; its log-probs are then replaced by the rollout's.)"""
+    values; its log-probs are then replaced by the rollout's.) Under routing replay the old
+    forward replays the rollout's experts (R3: then also `routing_mismatch`, how often its own
+    differ, `router_replay.mismatch_counts`) or records its own (R2); the reference routes on
+    its own, as verl's."""
     cfg, out = spec.cfg, {}
     if not (spec.on_policy or (bypass_mode(cfg) and not spec.shared)):
         with_spp = spec.needs("sum_pi_squared")
         policy = policy_params(cfg, state)
-        old = forward(spec, spec.model_cfg, policy, rows, "log_prob", with_sum_pi_squared=with_spp)
+        replaying = router_replay.replayed(rows) is not None  # R3: the rollout's experts
+        with_experts = replaying or router_replay.records_old(cfg)
+        moe_outputs = _moe_outputs(rows, with_experts=with_experts)
+        old = forward(
+            spec,
+            spec.model_cfg,
+            policy,
+            rows,
+            "log_prob",
+            with_sum_pi_squared=with_spp,
+            **moe_outputs,
+        )
         out["old_log_prob"] = old["log_prob"]
         if with_spp:
             out["sum_pi_squared"] = old["sum_pi_squared"]
+        own = tuple(old.get(k) for k in router_replay.KEYS)
+        if replaying:
+            out["routing_mismatch"] = router_replay.mismatch_counts(rows, own)
+        elif with_experts:  # R2: what the update replays
+            out.update(zip(router_replay.KEYS, own))
     if needs_reference(cfg):
         ref = forward(spec, spec.model_cfg, reference_params(cfg, state), rows, "log_prob")
         out["ref_log_prob"] = ref["log_prob"]
@@ -337,18 +376,34 @@ def score_forwards(spec: StepSpec, state: TrainState, rows: Batch) -> Batch:
 
 
 def compute_advantages(spec: StepSpec, state: TrainState, exp: Batch):
-    """Phase 2 (see above): the scoring forwards, then `estimate_advantages`."""
+    """Phase 2 (see above): the scoring forwards, then `estimate_advantages`. Under routing
+    replay, with an old-log-prob forward, its `router_replay/*` metrics (`replay_metrics`)."""
     cfg, mask = spec.cfg, exp["response_mask"]
     names = ("input_ids", "attention_mask", "response_ids", "response_mask", "response_valid")
-    rows = {k: exp[k] for k in names if k in exp}
+    rows = {k: exp[k] for k in (*names, *router_replay.KEYS) if k in exp}
     score = lambda r: score_forwards(spec, state, r)
     scored = batching.in_micro_batches(score, rows, spec.batching["log_prob"])
-    exp = {**exp, **jax.lax.stop_gradient(scored)}
+    scored = jax.lax.stop_gradient(scored)
+    mismatch = scored.pop("routing_mismatch", None)
+    metrics = {}
+    if router_replay.mode(cfg) != "disabled" and "old_log_prob" in scored:
+        metrics = replay_metrics(spec, mismatch, scored["old_log_prob"], exp)
+    exp = {**exp, **scored}
     if spec.use_critic:
         exp["values"] = exp["values"] * mask
     if bypass_mode(cfg):
         exp["old_log_prob"] = exp["rollout_log_prob"] * mask
-    return estimate_advantages(spec, state, exp)
+    exp, adv_metrics, state = estimate_advantages(spec, state, exp)
+    return exp, {**metrics, **adv_metrics}, state
+
+
+def replay_metrics(spec: StepSpec, mismatch, log_prob, rows: Batch, tokens=None) -> dict:
+    """`router_replay.metrics` of rows scored by `log_prob` (the old forward's, or the
+    on-policy update's own) against the rollout's log-probs; `mismatch`: the rows' summed
+    `mismatch_counts` (R3) or None."""
+    layers = len(spec.model_cfg.sparse_layers())
+    rollout_log_prob, mask = rows["rollout_log_prob"], rows["response_mask"]
+    return router_replay.metrics(mismatch, layers, log_prob, rollout_log_prob, mask, tokens)
 
 
 def estimate_advantages(spec: StepSpec, state: TrainState, exp: Batch):
@@ -467,11 +522,37 @@ def actor_loss(params, mb: Batch, spec: StepSpec, counts, base, actor_on, key):
     frozen base under LoRA (`params` are then the adapters), else None. `actor_on` (0 / 1): 0
     during critic warm-up, when only a shared value head's loss trains the network. `key`: the
     micro-batch's randomness, split between LoRA dropout and the policy loss (clip_cov), so no
-    draw of one is a draw of the other."""
+    draw of one is a draw of the other.
+
+    A mixture-of-experts policy replays the experts the mini-batch carries (routing replay)
+    and, with actor.router_aux_loss_coef, adds that times its router's load-balancing loss (of
+    this micro-batch's forward, a 1 / micro-batches share of it: the sum is their mean)."""
+    cfg = spec.cfg
     dropout_key, loss_key = jax.random.split(key)
-    full = with_base(spec.cfg, base, params, dropout_key)
-    out = forward(spec, spec.model_cfg, full, mb, "actor", with_entropy=True)
+    full = with_base(cfg, base, params, dropout_key)
+    aux_coef = cfg.actor.router_aux_loss_coef
+    # the on-policy update's forward is the step's old one: the routing-replay metrics' source
+    replay_metrics_on = spec.on_policy and router_replay.mode(cfg) != "disabled"
+    compared = replay_metrics_on and router_replay.records_rollout(cfg)  # R3: own vs recorded
+    out = forward(
+        spec,
+        spec.model_cfg,
+        full,
+        mb,
+        "actor",
+        with_entropy=True,
+        **_moe_outputs(mb, with_experts=compared, with_aux_loss=aux_coef != 0),
+    )
     loss, metrics = policy_terms(spec, out, mb, counts["policy"], loss_key)
+    if aux_coef:
+        aux = out["router_aux_loss"] / spec.batching["actor"].micro
+        loss = loss + aux_coef * aux
+        metrics["actor/router_aux_loss"] = aux
+    if replay_metrics_on:
+        own = tuple(out.get(k) for k in router_replay.KEYS)
+        mismatch = router_replay.mismatch_counts(mb, own) if compared else None
+        log_prob = jax.lax.stop_gradient(out["log_prob"])
+        metrics.update(replay_metrics(spec, mismatch, log_prob, mb, counts.get("routing")))
     if spec.shared:
         vf_loss, vf_metrics = value_terms(spec, out, mb, counts["value"])
         loss = actor_on * loss + spec.cfg.critic.vf_coef * vf_loss
@@ -487,11 +568,14 @@ def critic_loss(critic_params, mb: Batch, spec: StepSpec, counts, base, key):
 
 def mini_batch_counts(spec: StepSpec, mb: Batch) -> dict:
     """The whole mini-batch's normalisers of the losses; under rejection (verl's trainer): the
-    tokens left, but every response row for the seq-mean modes."""
+    tokens left, but every response row for the seq-mean modes. With the on-policy update's
+    routing-replay metrics (R3), its recorded real tokens (`routing`)."""
     counts = {"policy": losses.batch_counts(mb.get("policy_mask", mb["response_mask"]))}
     counts["policy"]["seqs"] = losses.batch_counts(mb["response_mask"])["seqs"]
     if spec.use_critic:
         counts["value"] = losses.batch_counts(mb["critic_mask"])
+    if spec.on_policy and router_replay.records_rollout(spec.cfg):
+        counts["routing"] = router_replay.recorded_tokens(mb)
     return counts
 
 
@@ -546,6 +630,9 @@ def update(spec: StepSpec, state: TrainState, exp: Batch, key, ok=None):
     keys = ["input_ids", "attention_mask", "response_ids", "response_mask", "advantages"]
     keys += [] if spec.on_policy else ["old_log_prob"]
     keys += [k for k in ("response_valid", "policy_mask", "rollout_is_weights") if k in exp]
+    keys += [k for k in router_replay.KEYS if k in exp]  # replayed (routing replay)
+    if spec.on_policy and router_replay.mode(cfg) != "disabled":  # for the replay metrics
+        keys += ["rollout_log_prob"]
     keys += ["ref_log_prob"] if needs_reference(cfg) else []
     keys += ["values", "returns", "critic_mask"] if spec.use_critic else []
     data = {k: exp[k] for k in keys}

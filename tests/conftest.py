@@ -6,9 +6,12 @@ compile still see every compile. XLA compiles at -O0 with its simpler fusion emi
 below).
 
 What the tests share: `REPO` (on sys.path, so `from configs import grpo_math` works in every
-test), `tiny_config` (the tiny demo config, with changes), `tiny_model` (the small decoder of
-the model-level tests) and `tiny_gemma` (the same with Gemma's options), `sample` (a rollout
-of NumPy prompts) and `run_steps` (fused steps from the initial state)."""
+test), `GOLDEN` (tests/golden/), `tiny_config` (the tiny demo config, with changes), `tiny_model`
+(the small decoder of the model-level tests) and `tiny_gemma` (the same with Gemma's options),
+`sample` (a rollout of NumPy prompts), `run_steps` (fused steps from the initial state) and
+`assert_same_run`. This folder is on sys.path too (pytest puts a conftest's folder there), for
+the tests in its subfolders as well: `from conftest import ...`, and the helper modules several
+tests share as `from helpers.<module> import ...` (tests/helpers/__init__.py lists them)."""
 
 import os
 import sys
@@ -34,6 +37,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `configs/`: the run configs the tests start from
+GOLDEN = os.path.join(REPO, "tests", "golden")  # reference outputs (scripts/make_*_goldens.py)
 
 
 def tiny_config(config: str = "grpo_math", **changes):
@@ -94,7 +98,8 @@ def run_steps(cfg, steps: int, **step_kwargs):
     from jrl.models import transformer
     from jrl.run import trainer
 
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     step = jax.jit(step_lib.make_step(cfg, model_cfg, reward_fn, **ids, **step_kwargs))
     key = jax.random.key(0)

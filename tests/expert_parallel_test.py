@@ -15,7 +15,7 @@ from jrl import step as step_lib
 from jrl import train_state
 from jrl.models import transformer
 from jrl.run import trainer
-from sharding_test import shard_shapes, varied_reward
+from helpers.meshes import shard_shapes, varied_reward
 
 AXES = sharding.EXPERT_MESH_AXES  # data, fsdp, expert, tensor
 
@@ -24,7 +24,8 @@ def _tiny_moe():
     """The tiny demo config with one layer, and its decoder made sparse: 8 experts of width 16,
     top 2, weights renormalised (Qwen3-MoE's norm_topk_prob)."""
     cfg = tiny_config(**{"model.num_layers": 1, "actor.use_kl_loss": True})
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
     model_cfg = dataclasses.replace(model_cfg, **experts, norm_topk_prob=True)
     return cfg, tok, task, model_cfg
@@ -65,7 +66,8 @@ def _run(cfg, tok, task, model_cfg, mesh, steps=2):
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)
     )
     ids = trainer.sampling_ids(tok, task)
-    step, _, state_sh, batch_sh = trainer.jit_step(cfg, model_cfg, varied_reward, ids, mesh, init)
+    jitted = trainer.jit_step(cfg, model_cfg, varied_reward, ids, mesh, init)
+    step, state_sh, batch_sh = jitted.step_fn, jitted.state_sh, jitted.batch_sh
     state = sharding.sharded_init(init, mesh, state_sh)()
     shards = shard_shapes(state.params["layers"]["moe"]["gate_proj"])
     metrics = []

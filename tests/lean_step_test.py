@@ -20,18 +20,11 @@ from jrl import train_state
 from jrl.run import trainer
 from jrl.models import transformer as tfm
 from conftest import COMPILE_FLAGS, REPO, assert_same_run, run_steps, tiny_config
+from helpers.steps import assert_same_update, built_phases
 
 
 # One CPU device, with the tests' compile settings (tests/conftest.py).
 ONE_DEVICE = f"--xla_force_host_platform_device_count=1 {COMPILE_FLAGS}"
-
-
-def _phases(cfg, mesh=None):
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
-    phases = step_lib.make_phases(
-        cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task), mesh=mesh
-    )
-    return task, model_cfg, phases
 
 
 # (changes to the tiny config): policy losses x aggregation modes, a KL loss, and critics.
@@ -52,33 +45,6 @@ UPDATE_CASES = {
 }
 
 
-def assert_same_update(state, scored, key, want_update, got_update):
-    """Two update phases give `scored` (with random advantages and returns: a fresh model rarely
-    earns a reward) the same metrics and parameters, and do move the parameters."""
-    rng = np.random.default_rng(0)
-    mask = np.asarray(scored["response_mask"], np.float32)
-    for k in ("advantages", "returns"):
-        scored[k] = jnp.asarray(rng.standard_normal(mask.shape).astype(np.float32) * mask)
-    want_state, want_m = jax.jit(want_update)(state, scored, key)
-    got_state, got_m = jax.jit(got_update)(state, scored, key)
-    assert set(got_m) == set(want_m)
-    for k in want_m:
-        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-4, atol=1e-6, err_msg=k)
-    # Adam's first step moves a weight by ~lr * g / (|g| + eps): for a gradient entry near eps the
-    # summation order (of micro-batches, of a prompt's rows) shifts it by a few 1e-6 (lr 1e-3); a
-    # lost or doubled micro-batch would move weights by ~lr.
-    for name in ("params", "critic_params"):
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-            getattr(got_state, name),
-            getattr(want_state, name),
-        )
-    moved = jax.tree.leaves(
-        jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), want_state.params, state.params)
-    )
-    assert max(moved) > 1e-4  # the update did change the parameters
-
-
 @pytest.mark.parametrize("case", list(UPDATE_CASES))
 def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
     """One optimizer update per mini-batch of 8 rows, in 4 micro-batches of 2 or in one: the same
@@ -93,8 +59,8 @@ def test_micro_batches_give_the_update_of_the_whole_mini_batch(case):
             "rollout.log_prob_micro_batch_size_per_device": 4,
         },
     )
-    task, model_cfg, (generate, score, update) = _phases(plain_cfg)
-    _, _, (_, micro_score, micro_update) = _phases(micro_cfg)
+    task, model_cfg, (generate, score, update) = built_phases(plain_cfg)
+    _, _, (_, micro_score, micro_update) = built_phases(micro_cfg)
     key = jax.random.key(0)
     state = train_state.init_state(plain_cfg, model_cfg, tfm.init_params(model_cfg, key), key)
     batch = task.train_batch(0, 4)
@@ -201,7 +167,9 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_changes_nothing(mon
     results = []
     for shortcut in (True, False):
         monkeypatch.setattr(step_lib, "on_policy_update", lambda c, s=shortcut: s)
-        tok, task, reward_fn, model_cfg = trainer.build(cfg)
+        built = trainer.build(cfg)
+        tok, task = built.tokenizer, built.task
+        reward_fn, model_cfg = built.reward_fn, built.model_cfg
         phases = step_lib.make_phases(cfg, model_cfg, reward_fn, **trainer.sampling_ids(tok, task))
         key = jax.random.key(0)
         state = train_state.init_state(cfg, model_cfg, tfm.init_params(model_cfg, key), key)

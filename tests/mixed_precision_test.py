@@ -47,7 +47,8 @@ def test_fused_step_in_bfloat16_keeps_float32_state():
     cfg = tiny_config()
     cfg.warmup.sft_steps = 0
     cfg.model.dtype, cfg.model.param_dtype = "bfloat16", "float32"
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     assert model_cfg.dtype == "bfloat16"
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))

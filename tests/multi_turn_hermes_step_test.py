@@ -3,40 +3,33 @@ and refused tool calls are answered with an error block and counted while the ru
 the multi-turn rollout under ReMax (its greedy baseline), DAPO (dynamic sampling), LoRA and a
 mesh of host devices.
 
-The model is scripted: a tiny decoder whose next token depends on the current token only (each
-token's embedding is a one-hot "slot", attention and MLP write nothing, an untied head maps a slot
-to the next token's logits). With the tiny Qwen-style tokenizer of tests/tools_test.py plus one
-token per tool-call JSON body (`BODIES`), every assistant turn is
-
-    <tool_call> BODY </tool_call> <|im_end|>
-
-with BODY sampled among `BODIES` (greedy: `good`). The host pauses the row at `<|im_end|>`, runs
-or refuses the call, and appends the rendered tool message; the block's last token leads to
-`<tool_call>` again, so each row makes `TURNS` assistant turns (the calls of the last one are not
-run). A `Recorder` around the host keeps every pause's inputs and results: the tests check the
-blocks and the step's metrics against hand-written answers."""
-
-import dataclasses
+The model is the scripted one of tests/helpers/hermes_script.py: every assistant turn is
+`<tool_call> BODY </tool_call> <|im_end|>` with BODY sampled among `BODIES` (greedy: `good`), and
+each row makes `TURNS` assistant turns. A `Recorder` around the host keeps every pause's inputs
+and results: the tests check the blocks and the step's metrics against hand-written answers."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import tiny_config
+from helpers.hermes_script import (
+    BODIES,
+    HERMES,
+    R,
+    TURNS,
+    Recorder,
+    ids_of,
+    scripted_model,
+    scripted_reward,
+)
+from helpers.tools_fixtures import TOOL_BLOCK, qwen_style_tokenizer
 from jrl import sharding
 from jrl import step as step_lib
 from jrl import train_state
 from jrl.run import trainer
 from jrl.tools.host import make_tool_host
-from tools_test import TOOL_BLOCK, qwen_style_tokenizer
 
-BODIES = {  # each one token of the test tokenizer; "good" first: the greedy choice
-    "good": '{"name": "calc", "arguments": {"expression": "12*34"}}',
-    "bad_json": '{"name": "calc", "arguments": {"expression": "12*34"}',  # a brace short
-    "unknown": '{"name": "nope", "arguments": {}}',
-    "wrong_args": '{"name": "calc", "arguments": {"expr": "12*34"}}',
-}
 # The tool message each body gets, written out by hand (calc's answer, the host's refusals).
 ANSWERS = {
     "good": "408",
@@ -44,82 +37,11 @@ ANSWERS = {
     "unknown": "error: unknown tool 'nope'; the tools are calc",
     "wrong_args": "error: calc is missing argument(s) expression",
 }
-TURNS = 3  # assistant turns per row: two calls run, the third turn's is not
-# Every row's turns fit (4 tokens each, blocks of at most 92: bad_json's) with room to spare: a
-# row is never full, so each ends at a pause of its last turn.
-R = TURNS * 4 + 2 * 92 + 4
-HERMES = {
-    "warmup.sft_steps": 0,
-    "data.max_response_length": R,
-    "rollout.multi_turn.enable": True,
-    "rollout.multi_turn.format": "hermes",
-    "rollout.multi_turn.tools": "calc",
-    "rollout.multi_turn.max_assistant_turns": TURNS,
-    "rollout.multi_turn.max_tool_response_length": 80,
-}
-LOGIT = 30.0  # of the scripted next token; every other token has 0 (exp(-30): never sampled)
-
-
-def scripted_reward(batch, response_ids, response_mask, *, eos_id):
-    """The sum of the token ids it reads (the model's final turn) mod 3, halved: it differs
-    between rows and is recomputed from the recorded responses by `score`."""
-    return (jnp.sum(response_ids * response_mask, -1) % 3).astype(jnp.float32) / 2
 
 
 @pytest.fixture(scope="module")
 def tok():
     return qwen_style_tokenizer(extra_tokens=list(BODIES.values()))
-
-
-def ids_of(tok, *tokens):
-    return [tok.convert_tokens_to_ids(t) for t in tokens]
-
-
-def scripted_model(cfg, tok, bodies=BODIES):
-    """(model config, params) of the scripted decoder (module docstring) over `bodies` (the
-    first one a little likelier: greedy's choice)."""
-    model_cfg = trainer.build(cfg)[3]
-    model_cfg = dataclasses.replace(model_cfg, vocab_size=len(tok), tie_word_embeddings=False)
-    params = jax.device_get(trainer.initial_params(cfg, model_cfg, jax.random.key(0)))
-    h = model_cfg.hidden_size
-    call, close, end = ids_of(tok, "<tool_call>", "</tool_call>", "<|im_end|>")
-    bodies = ids_of(tok, *bodies.values())
-    slots = [call, *bodies, close, end]  # slot 0: every other token
-    embed = np.zeros((len(tok), h), np.float32)
-    embed[:, 0] = 1.0
-    for slot, token in enumerate(slots, start=1):
-        embed[token] = 0.0
-        embed[token, slot] = 1.0
-    head = np.zeros((h, len(tok)), np.float32)
-    head[0, call] = LOGIT  # anything (the prompt's end, a tool block's end) -> <tool_call>
-    head[1, bodies] = LOGIT  # <tool_call> -> a body, "good" a little likelier (greedy's)
-    head[1, bodies[0]] += 0.5
-    head[2 : 2 + len(bodies), close] = LOGIT  # a body -> </tool_call>
-    head[2 + len(bodies), end] = LOGIT  # </tool_call> -> <|im_end|>
-    head[3 + len(bodies), end] = LOGIT
-    head /= np.sqrt(h)  # the final norm scales a one-hot slot to sqrt(h)
-    layers = dict(params["layers"])
-    layers["attn"] = {**layers["attn"], "o_proj": np.zeros_like(layers["attn"]["o_proj"])}
-    layers["mlp"] = {**layers["mlp"], "down_proj": np.zeros_like(layers["mlp"]["down_proj"])}
-    final_norm = jax.tree.map(np.ones_like, params["final_norm"])
-    params = {**params, "embed": embed, "lm_head": head, "layers": layers}
-    params["final_norm"] = final_norm
-    return model_cfg, jax.tree.map(jnp.asarray, params)
-
-
-class Recorder:
-    """The tool host, with every pause's inputs and result kept (numpy)."""
-
-    def __init__(self, host):
-        self.host, self.pauses = host, []
-
-    def __getattr__(self, name):
-        return getattr(self.host, name)
-
-    def __call__(self, *args):
-        result = self.host(*args)
-        self.pauses.append(([np.array(a) for a in args], result))
-        return result
 
 
 def body_of(tok, turn_ids):
@@ -176,16 +98,16 @@ def make(tok, on_mesh: bool = False, **changes):
     init = lambda: train_state.init_state(cfg, model_cfg, params, jax.random.key(1))  # noqa: E731
     if on_mesh:
         mesh = sharding.make_mesh(shape=(2, 2, 1), devices=jax.devices()[:4])
-        step, _, state_sh, _ = trainer.jit_step(cfg, model_cfg, scripted_reward, ids, mesh, init)
-        state = jax.jit(init, out_shardings=state_sh)()
-        return cfg, host, step, state, mesh
+        jitted = trainer.jit_step(cfg, model_cfg, scripted_reward, ids, mesh, init)
+        state = jax.jit(init, out_shardings=jitted.state_sh)()
+        return cfg, host, jitted.step_fn, state, mesh
     step = jax.jit(step_lib.make_step(cfg, model_cfg, scripted_reward, **ids))
     return cfg, host, step, init(), None
 
 
 def run(cfg, step, state, mesh, index=0):
     """One step on the task's batch `index`: (state, metrics on the host)."""
-    batch = trainer.build(cfg)[1].train_batch(index, step_lib.prompts_per_step(cfg))
+    batch = trainer.build(cfg).task.train_batch(index, step_lib.prompts_per_step(cfg))
     with jax.set_mesh(mesh) if mesh is not None else _nothing():
         state, metrics = step(state, batch)
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import faulty_tools
-from conftest import tiny_config
+from conftest import GOLDEN, tiny_config
+from helpers import faulty_tools
 from jrl import logprobs
 from jrl import step as step_lib
 from jrl import shaping
@@ -66,14 +66,15 @@ def calling_params(cfg, model_cfg, tok, boost=2.0, scale=5.0, attention=10.0):
 # metric of the second step and, per parameter leaf, its sum and sum of squares (float64). On the
 # machines this was checked on, the two trees give the same bits (sha256 of the parameters and
 # metrics equal); the bits differ between CPU types, so the test compares values within rtol.
-REFERENCE = os.path.join(os.path.dirname(__file__), "golden", "multi_turn_off_reference.json")
+REFERENCE = os.path.join(GOLDEN, "multi_turn_off_reference.json")
 
 
 def reference_run(name):
     """Two fused steps of the tiny `name` config from fixed keys: ({metric: float}, [[sum, sum of
     squares] per parameter leaf])."""
     cfg = tiny_config(name, **{"warmup.sft_steps": 0})
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task, cfg)
@@ -119,7 +120,8 @@ def scored():
     prompt + response: no shared-prompt forward, one micro-batch), scored by the step's second
     phase: (spec, state, experience)."""
     cfg = tiny_config(**MULTI_TURN, **{"model.shared_prompt_forward": False})
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )
@@ -240,11 +242,12 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
     cfg = tiny_config(
         **MULTI_TURN,
         **{
-            "rollout.multi_turn.tools": "faulty_tools:flaky",
+            "rollout.multi_turn.tools": "helpers.faulty_tools:flaky",
             "rollout.multi_turn.tool_timeout": 0.25,
         },
     )
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     state = train_state.init_state(
         cfg, model_cfg, calling_params(cfg, model_cfg, tok), jax.random.key(1)
     )
@@ -270,3 +273,30 @@ def test_one_compile_any_turns_and_failing_tools_are_answered_and_counted():
         assert 0 < m["tool_calls/response_token_share"] < 1
         assert m["timing_s/tool_host"] > 0
     assert any(m["actor/grad_norm"] > 0 for m in seen)
+
+
+def test_the_greedy_eval_counts_tool_calls_per_answer():
+    """`make_eval` with a tool host reports calls per answer: the tool blocks in the greedy
+    answers (runs of tool tokens: valid, not the model's), counted here from the rollout's masks
+    instead of the host's stats; 0 errors from `calc` on what it parses, and none of it without
+    tools."""
+    cfg = tiny_config(**MULTI_TURN)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
+    params = calling_params(cfg, model_cfg, tok)
+    ids = trainer.sampling_ids(tok, task, cfg)
+    batch = task.eval_batch()
+    metrics = jax.jit(trainer.make_eval(model_cfg, varied_reward, **ids))(params, batch)
+    out, valid, _ = jax.jit(
+        lambda p, b: step_lib.sample_and_score(
+            model_cfg, varied_reward, p, b, jax.random.key(0), greedy=True, **ids
+        )
+    )(params, batch)
+    tool = (np.asarray(valid) > 0) & (np.asarray(out.response_mask) == 0)
+    blocks = (tool[:, 1:] & ~tool[:, :-1]).sum(1) + tool[:, 0]  # starts of tool-token runs
+    assert blocks.sum() > 0
+    assert float(metrics["val/tool_calls"]) == pytest.approx(blocks.mean())
+    assert float(metrics["val/tool_errors"]) >= 0
+    one_turn = {**ids, "tool_host": None}
+    plain = jax.jit(trainer.make_eval(model_cfg, varied_reward, **one_turn))(params, batch)
+    assert "val/tool_calls" not in plain

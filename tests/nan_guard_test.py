@@ -42,7 +42,8 @@ def test_nan_reward_steps_are_skipped_counted_and_stop_the_run(cfg, tmp_path):
 
 
 def test_skipped_step_leaves_params_and_optimizer_unchanged(cfg):
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
@@ -70,7 +71,8 @@ def test_a_non_finite_loss_applies_no_update(monkeypatch):
     monkeypatch.setitem(losses.POLICY_LOSSES, "nan_loss", nan_loss)
     cfg = tiny_config()
     cfg.actor.policy_loss = "nan_loss"
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     state = train_state.init_state(
         cfg, model_cfg, trainer.initial_params(cfg, model_cfg, jax.random.key(0)), jax.random.key(1)
     )

@@ -17,7 +17,7 @@ from jrl import multi_turn
 from jrl import rewards
 from jrl import step as step_lib
 from jrl import shaping
-from tools_test import TOOL_BLOCK, qwen_style_tokenizer
+from helpers.tools_fixtures import TOOL_BLOCK, qwen_style_tokenizer
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(12*34)"}}</tool_call><|im_end|>'
 # the tool's output states the answer as gsm8k, math and a plain reader want it

@@ -12,6 +12,7 @@ from jrl import step as step_lib
 from jrl import train_state
 from jrl.models import transformer
 from conftest import tiny_config, tiny_model
+from helpers.meshes import shard_shapes, varied_reward
 
 # vocab 32, hidden 16, 4 query heads, 2 kv heads of width 4, MLP 32: every dim divides 2x2x2.
 CFG = tiny_model(32, hidden_size=16, num_layers=1, intermediate_size=32)
@@ -20,10 +21,6 @@ CFG = tiny_model(32, hidden_size=16, num_layers=1, intermediate_size=32)
 @pytest.fixture(scope="module")
 def params():
     return jax.jit(lambda k: transformer.init_params(CFG, k))(jax.random.key(0))
-
-
-def shard_shapes(x):
-    return {tuple(s.data.shape) for s in x.addressable_shards}
 
 
 def test_make_mesh_shapes_and_errors():
@@ -166,18 +163,12 @@ def test_state_shardings_mirror_params_in_optimizer_states():
         sharding.state_shardings(mesh, abstract, transformer.logical_axes(policy_cfg))
 
 
-def varied_reward(batch, response_ids, response_mask, *, eos_id):
-    """Share of response tokens divisible by 3: differs within groups, so advantages and gradients
-    are real (the untrained policy scores 0 on arithmetic, leaving gradients of rounding noise)."""
-    hits = jnp.sum((response_ids % 3 == 0) * response_mask, -1)
-    return hits / jnp.maximum(jnp.sum(response_mask, -1), 1)
-
-
 def test_fused_step_on_2x2x2_mesh_matches_one_device():
     cfg = tiny_config()
     cfg.actor.use_kl_loss = True  # reference params in the state too
     cfg.model.num_layers = 1
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     step = step_lib.make_step(cfg, model_cfg, varied_reward, **trainer.sampling_ids(tok, task))
     init = lambda: train_state.init_state(
         cfg, model_cfg, transformer.init_params(model_cfg, jax.random.key(0)), jax.random.key(1)

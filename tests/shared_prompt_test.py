@@ -17,15 +17,14 @@ from jrl import step as step_lib
 from jrl import train_state
 from jrl.models import transformer as tfm
 
-import model_test
-
 from conftest import tiny_config
-from lean_step_test import _phases, assert_same_update
+from helpers import tiny_decoders
+from helpers.steps import assert_same_update, built_phases
 
 # Llama-like with a value head; Gemma-like: sliding-window layers (window 3 < prompt +
 # response), attention and final softcaps, qk norm
-LLAMA = model_test.CFG
-GEMMA = dataclasses.replace(model_test.GEMMA_CFG, value_head=True)
+LLAMA = tiny_decoders.CFG
+GEMMA = dataclasses.replace(tiny_decoders.GEMMA_CFG, value_head=True)
 
 
 def _groups(seed=0, g=3, n=2, p=5, r=6, vocab=37):
@@ -47,7 +46,7 @@ def test_grouped_forward_gives_the_full_forwards_outputs_and_gradients(cfg):
     n = 2
     batch = _groups(n=n, vocab=cfg.vocab_size)
     mask = np.asarray(batch[3], bool)
-    params = model_test._random_params(cfg)
+    params = tiny_decoders.random_params(cfg)
 
     @functools.partial(jax.jit, static_argnums=1)  # one compile each, not op by op
     def outputs(params, group):
@@ -108,8 +107,8 @@ def test_update_with_the_shared_prompt_forward_equals_the_full_forwards(estimato
     }
     on_cfg = tiny_config(**changes)
     off_cfg = tiny_config(**changes, **{"model.shared_prompt_forward": False})
-    task, model_cfg, (generate, score, update) = _phases(on_cfg)
-    _, _, (_, off_score, off_update) = _phases(off_cfg)
+    task, model_cfg, (generate, score, update) = built_phases(on_cfg)
+    _, _, (_, off_score, off_update) = built_phases(off_cfg)
     ids = {"eos_id": 0, "pad_id": 0, "max_new_tokens": 1}
     assert step_lib.make_spec(on_cfg, model_cfg, None, **ids).batching["actor"].group > 1
     key = jax.random.key(0)

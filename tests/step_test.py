@@ -20,7 +20,9 @@ from configs import grpo_math, ppo_math
 
 
 def setup(cfg, reward_fn=None):
-    tok, task, task_reward, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task = built.tokenizer, built.task
+    task_reward, model_cfg = built.reward_fn, built.model_cfg
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
     ids = trainer.sampling_ids(tok, task)
@@ -161,7 +163,8 @@ def test_dynamic_sampling_filters_by_score_the_overlong_shaped_reward():
     cfg.reward.overlong_buffer.enable = True
     cfg.reward.overlong_buffer.len = 4
     cfg.reward.overlong_buffer.penalty_factor = 1.0
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     assert ids["max_new_tokens"] == 4
     params = eos_often(trainer.initial_params(cfg, model_cfg, jax.random.key(0)), ids["eos_id"])
@@ -188,7 +191,8 @@ def test_remax_baseline_is_the_greedy_answers_shaped_score():
     cfg.reward.overlong_buffer.enable = True
     cfg.reward.overlong_buffer.len = 4
     cfg.reward.overlong_buffer.penalty_factor = 1.0
-    tok, task, _, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, model_cfg = built.tokenizer, built.task, built.model_cfg
     ids = trainer.sampling_ids(tok, task)
     params = trainer.initial_params(cfg, model_cfg, jax.random.key(0))
     state = train_state.init_state(cfg, model_cfg, params, jax.random.key(1))
@@ -222,7 +226,8 @@ def test_the_step_reads_an_estimators_entry_for_its_critic_and_inputs(monkeypatc
     cfg.warmup.sft_steps = 0
     cfg.algorithm.adv_estimator = "toy"
     assert train_state.needs_critic(cfg)
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     assert model_cfg.value_head is False
     assert train_state.model_configs(cfg, model_cfg)[1].value_head
     init = lambda: train_state.init_state(

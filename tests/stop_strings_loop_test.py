@@ -5,10 +5,10 @@ in the multi-turn one (the tags format's `</calc>` and rollout.stop's newline, w
 tool host) the host is called.
 
 The model's tokens are scripted (`force_ids`) on a tiny random model with the tiny byte-level
-BPE of tests/text_tokenizers.py. Where each turn must end is worked out by decoding the tokens
-with the tokenizer itself and searching the text; the tool's answers are written by hand; the
-log-probs of model tokens are compared with one full forward over the same sequence. Where the
-Gemma 3 270M package is installed, one greedy multi-turn rollout of the real model is checked
+BPE of tests/helpers/text_tokenizers.py. Where each turn must end is worked out by decoding the
+tokens with the tokenizer itself and searching the text; the tool's answers are written by hand;
+the log-probs of model tokens are compared with one full forward over the same sequence. Where
+the Gemma 3 270M package is installed, one greedy multi-turn rollout of the real model is checked
 the same way."""
 
 import re
@@ -28,8 +28,8 @@ from jrl.models import transformer as tfm
 from jrl.stop_strings import StopStrings
 from jrl.tools.host import make_tool_host
 from conftest import tiny_model
-from text_tokenizers import byte_bpe, real_gemma_path
-from tools_test import multi_turn_config
+from helpers.text_tokenizers import byte_bpe, real_gemma_path
+from helpers.tools_fixtures import multi_turn_config
 
 TOK = byte_bpe()
 PAD, EOS = TOK.pad_token_id, TOK.eos_token_id
@@ -138,7 +138,8 @@ def test_rollout_stop_reaches_the_rollouts():
     from jrl.run import trainer
 
     cfg = tiny_config(**{"rollout.stop": ("5=", 7, ";")})
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    tok, task, reward_fn, model_cfg = built.tokenizer, built.task, built.reward_fn, built.model_cfg
     ids = trainer.sampling_ids(tok, task, cfg)
     assert ids["stop_ids"] == (7,) and ids["stop_strings"].strings == (b"5=", b";")
     spec = step_lib.make_spec(cfg, model_cfg, reward_fn, **ids)

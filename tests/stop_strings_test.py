@@ -2,8 +2,8 @@
 decodes the tokens so far with the tokenizer itself and searches the text.
 
 Tokenizers: a byte-level BPE trained here whose merges cross tags and characters, a hand-made
-SentencePiece-style one with byte fallback (tests/text_tokenizers.py), the tiny Qwen-style one of
-tests/tools_test.py (a token per byte) and, where installed, Gemma 3's own."""
+SentencePiece-style one with byte fallback (tests/helpers/text_tokenizers.py), the tiny Qwen-style
+one of tests/helpers/tools_fixtures.py (a token per byte) and, where installed, Gemma 3's own."""
 
 import functools
 import re
@@ -16,8 +16,8 @@ import pytest
 from jrl import stop_strings
 from jrl.stop_strings import StopStrings, StopStringError
 from jrl.tokenizer import char_tokenizer
-from text_tokenizers import byte_bpe, real_gemma_tokenizer, sentencepiece_bpe
-from tools_test import qwen_style_tokenizer
+from helpers.text_tokenizers import byte_bpe, real_gemma_tokenizer, sentencepiece_bpe
+from helpers.tools_fixtures import qwen_style_tokenizer
 
 STOPS = ("</calc>", "\n")
 

@@ -16,10 +16,9 @@ from jrl import step as step_lib
 from jrl import step_metrics
 
 from jrl import train_state
-from conftest import tiny_config, tiny_model
+from conftest import GOLDEN, tiny_config, tiny_model
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "verl_composition.json")
-with open(GOLDEN) as f:
+with open(os.path.join(GOLDEN, "verl_composition.json")) as f:
     DATA = json.load(f)
 ATOL = 2e-5
 

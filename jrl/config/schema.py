@@ -217,6 +217,18 @@ def _actor(c: ml_collections.ConfigDict) -> None:
     # KL estimator of the loss: kl | abs | mse | low_var_kl (k1/k2/k3)
     c.actor.kl_loss_type = "low_var_kl"
     c.actor.entropy_coeff = 0.0  # entropy bonus weight (subtracted from the loss)
+    # Mixture-of-experts policies (Qwen3-MoE, Mixtral; docs/algorithms.md#routing-replay).
+    # Weight of the router's load-balancing loss (Hugging Face's router_aux_loss_coef x its
+    # load_balancing_loss_func, summed over the sparse layers) added to the actor loss; 0: none,
+    # as verl adds none by default (the checkpoint's router_aux_loss_coef is not read: set
+    # it here, e.g. 0.001 for Qwen3-MoE's, to train with it)
+    c.actor.router_aux_loss_coef = 0.0
+    # Routing replay (verl's actor_rollout_ref.actor.{megatron,veomni}.router_replay.mode):
+    c.actor.router_replay = ml_collections.ConfigDict()
+    # disabled | R2 (the update replays the old-log-prob forward's experts) | R3 (the old and
+    # update forwards replay the experts the rollout chose; verl also needs
+    # rollout.enable_rollout_routing_replay, which jrl implies)
+    c.actor.router_replay.mode = "disabled"
 
 
 def _algorithm(c: ml_collections.ConfigDict) -> None:

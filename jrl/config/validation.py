@@ -13,7 +13,7 @@ import os
 
 import ml_collections
 
-from jrl import data, rewards, tools
+from jrl import data, rewards, router_replay, tools
 from jrl.algos import advantages, group_ppo, kl, losses, rollout_corr
 from jrl.config.errors import ConfigError
 from jrl.config.schema import _field, base_config, flat_keys
@@ -56,6 +56,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _validate_clip_ratios(cfg)
     _validate_algorithm(cfg)
     _validate_rollout_correction(cfg)
+    _validate_router_replay(cfg)
     _validate_group_params(cfg)
     _validate_critic(cfg)
     _validate_reward(cfg)
@@ -354,6 +355,25 @@ def _validate_rollout_correction(cfg: ml_collections.ConfigDict) -> None:
         "algorithm.rollout_correction.enable=True corrects nothing: set rollout_is (token | "
         "sequence) and / or rollout_rs.",
     )
+
+
+def _validate_router_replay(cfg: ml_collections.ConfigDict) -> None:
+    """actor.router_replay.mode and actor.router_aux_loss_coef: a known mode, R2 not in bypass
+    mode (verl's rule: no old-log-prob forward records the experts), a coefficient >= 0, and
+    either only for a model with experts: a model of model.* fields (no model.hf_path) is
+    dense unless it sets model.num_experts (`jrl.step.make_spec` checks a checkpoint's model)."""
+    mode, coef = cfg.actor.router_replay.mode, cfg.actor.router_aux_loss_coef
+    rc = cfg.algorithm.rollout_correction
+    _choice("actor.router_replay.mode", mode, router_replay.MODES)
+    _check(
+        not (mode == "R2" and rc.enable and rc.bypass_mode),
+        "actor.router_replay.mode='R2' replays the experts of the old-log-prob forward, which "
+        "bypass mode does not run; use mode R3 (the rollout's experts), or set "
+        "algorithm.rollout_correction.bypass_mode=False.",
+    )
+    _check(coef >= 0, f"actor.router_aux_loss_coef={coef} must be >= 0 (0: no aux loss).")
+    if not cfg.model.hf_path:
+        router_replay.check_experts(cfg, cfg.model.get("num_experts", 0) > 0)
 
 
 def _validate_group_params(cfg: ml_collections.ConfigDict) -> None:

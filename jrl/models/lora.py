@@ -9,6 +9,18 @@ names) computes x W + (alpha / r) (x A) B. In jrl's layouts, with the base's sta
 MLP's are 2-D per layer). A starts as PEFT's does (uniform in +-1/sqrt(fan_in)), B at zero, so
 the adapted model starts exactly at the base.
 
+Mixtures of experts (Qwen3-MoE, Mixtral): the targets gate_proj / up_proj / down_proj also adapt
+every expert's projection, as PEFT's target names do (its "gate_proj" adapts each module of that
+name, each expert's in a checkpoint's per-expert layout; Mixtral's are w1 / w3 / w2): one A / B
+per expert, W [L, E, in, out], A [L, E, in, r], B [L, E, r, out], under the block module "moe".
+The experts' forward computes with W + A B (`transformer.MoE`: the low-rank product folded into
+the weights at each forward, as PEFT does for stacked expert parameters, its
+`target_parameters`; the rollout folds them once), so LoRA dropout does not reach them (PEFT
+refuses dropout there). The router is not adapted. `merge` folds them in like the others; the
+PEFT export (`peft_tensors` with the model's config) writes them under the per-expert module
+names of the checkpoint's layout, which PEFT loads (transformers 5 converts them to its fused
+experts, `peft.utils.transformers_weight_conversion`).
+
 The trees:
   base       the model's params without its value head: frozen, in `model.dtype`
   trainable  {"lora": adapters, **heads}: adapters {"layers": {"attn" | "mlp": {name: {"a",
@@ -40,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from jax.sharding import PartitionSpec
-from jrl.models import hub
+from jrl.models import hf, hub
 
 from jrl.models import transformer
 
@@ -54,6 +66,10 @@ TARGETS: dict[str, tuple[str, int]] = {
     "up_proj": ("mlp", 1),
     "down_proj": ("mlp", 1),
 }
+# The expert projections a target adapts too (block module "moe", see the module docstring).
+EXPERT_TARGETS = transformer.EXPERT_PROJECTIONS
+# Leading axes of a module's W that its adapters keep, not contracted: layers (and experts).
+_LEAD = {"attn": 1, "mlp": 1, "moe": 2}
 # Hugging Face's module path of each jrl block module (PEFT names adapters by it).
 _HF_MODULE = {"attn": "self_attn", "mlp": "mlp"}
 # Params trained in full next to the adapters (a value head on the policy or the critic).
@@ -77,22 +93,31 @@ def split(params) -> tuple[dict, dict]:
     return base, {k: v for k, v in params.items() if k in HEAD_KEYS}
 
 
+def _modules(name: str) -> tuple[tuple[str, int, int], ...]:
+    """(block module, number of input dims of W, its key's fold) of each projection target
+    `name` adapts: its module (fold 0), and with experts theirs (fold 1)."""
+    module, num_in = TARGETS[name]
+    return ((module, num_in, 0),) + ((("moe", 1, 1),) if name in EXPERT_TARGETS else ())
+
+
 def init_adapters(base, targets, rank: int, key) -> dict:
-    """Adapters of `targets` (HF names) on the stacked blocks of `base`: A uniform in
-    +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero; float32."""
+    """Adapters of `targets` (HF names) on the stacked blocks of `base` (of the modules it has:
+    no dense MLP where every layer is a mixture of experts, no experts in a dense model): A
+    uniform in +-1/sqrt(fan_in) (PEFT's kaiming_uniform(a=sqrt(5))), B zero; float32."""
     out: dict = {}
     for i, name in enumerate(targets):
-        module, num_in = TARGETS[name]
-        if module not in base["layers"]:  # no dense MLP (every layer a mixture of experts)
-            continue
-        w = base["layers"][module][name]
-        layers, shape_in, shape_out = w.shape[0], w.shape[1 : 1 + num_in], w.shape[1 + num_in :]
-        bound = 1.0 / math.sqrt(math.prod(shape_in))
-        a = jax.random.uniform(
-            jax.random.fold_in(key, i), (layers, *shape_in, rank), jnp.float32, -bound, bound
-        )
-        b = jnp.zeros((layers, rank, *shape_out), jnp.float32)
-        out.setdefault(module, {})[name] = {"a": a, "b": b}
+        for module, num_in, fold in _modules(name):
+            if module not in base["layers"]:
+                continue
+            w, lead = base["layers"][module][name], _LEAD[module]
+            shape_in, shape_out = w.shape[lead : lead + num_in], w.shape[lead + num_in :]
+            bound = 1.0 / math.sqrt(math.prod(shape_in))
+            k = jax.random.fold_in(key, i)
+            k = jax.random.fold_in(k, fold) if fold else k
+            a_shape = (*w.shape[:lead], *shape_in, rank)
+            a = jax.random.uniform(k, a_shape, jnp.float32, -bound, bound)
+            b = jnp.zeros((*w.shape[:lead], rank, *shape_out), jnp.float32)
+            out.setdefault(module, {})[name] = {"a": a, "b": b}
     return {"layers": out}
 
 
@@ -128,16 +153,19 @@ def with_dropout(params, rate: float, key):
     """The combined `params` (`combine`) with dropout of probability `rate` on every adapter's
     input (PEFT's lora_dropout: x -> A sees x * mask / (1 - rate); the base projection sees x
     unchanged). Each projection of each layer draws its own mask from `key`. For the training
-    forwards of the update only; `rate` 0 or `key` None: `params` unchanged."""
+    forwards of the update only; `rate` 0 or `key` None: `params` unchanged. The experts'
+    adapters, folded into their weights, get none (see the module docstring)."""
     if not rate or key is None:
         return params
     num_layers = next(iter(jax.tree.leaves(params["lora"]))).shape[0]
-    layers = {}
+    layers = {module: dict(names) for module, names in params["lora"]["layers"].items()}
     for i, (module, name) in enumerate(
         (m, n) for m, names in params["lora"]["layers"].items() for n in names
     ):
+        if module == "moe":
+            continue
         keys = jax.random.split(jax.random.fold_in(key, i), num_layers)
-        layers.setdefault(module, {})[name] = {
+        layers[module][name] = {
             **params["lora"]["layers"][module][name],
             # per layer (stacked on [L] like the weights): uint32 key data and the rate
             "dropout_key": jax.random.key_data(keys),
@@ -152,14 +180,15 @@ def reference(base, trainable):
 
 
 def _deltas(adapters, s: float):
-    """{(module, name): s * A @ B} [L, *in, *out] in float32."""
+    """{(module, name): s * A @ B} [L, (E,) *in, *out] in float32."""
     out = {}
     for module, names in adapters["layers"].items():
+        lead = _LEAD[module]
         for name, ab in names.items():
             a, b = ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32)
             r = a.shape[-1]
-            d = a.reshape(a.shape[0], -1, r) @ b.reshape(b.shape[0], r, -1)
-            out[(module, name)] = (s * d).reshape(*a.shape[:-1], *b.shape[2:])
+            d = a.reshape(*a.shape[:lead], -1, r) @ b.reshape(*b.shape[:lead], r, -1)
+            out[(module, name)] = (s * d).reshape(*a.shape[:-1], *b.shape[lead + 1 :])
     return out
 
 
@@ -179,12 +208,13 @@ def trainable_axes(base_axes, trainable) -> dict:
     out = {k: base_axes[k] for k in trainable if k != "lora"}
     adapters = {}
     for module, names in trainable["lora"]["layers"].items():
+        lead = _LEAD[module]
         for name in names:
             spec = tuple(base_axes["layers"][module][name])
-            num_in = TARGETS[name][1]
+            num_in = 1 if module == "moe" else TARGETS[name][1]
             adapters.setdefault(module, {})[name] = {
-                "a": PartitionSpec(*spec[: 1 + num_in], None),
-                "b": PartitionSpec(spec[0], None, *spec[1 + num_in :]),
+                "a": PartitionSpec(*spec[: lead + num_in], None),
+                "b": PartitionSpec(*spec[:lead], None, *spec[lead + num_in :]),
             }
     out["lora"] = {"layers": adapters}
     return out
@@ -193,26 +223,66 @@ def trainable_axes(base_axes, trainable) -> dict:
 # ----------------------------------------------------------------------------- PEFT format
 
 
-def peft_tensors(trainable) -> dict[str, np.ndarray]:
+def _peft_module(module: str, name: str, model_cfg):
+    """(PEFT's module path of adapter `name` of block module `module`, after
+    "base_model.model.", with "{i}" for the layer and "{e}" for an expert; whether layer i
+    holds it): without `model_cfg` a dense model's, in every layer; with it, named as the
+    checkpoint's tensors (`hf.weight_names`: Qwen3-MoE's experts `mlp.experts.{e}.gate_proj`,
+    Mixtral's `block_sparse_moe.experts.{e}.w1`), in the layers where the module computes (the
+    dense MLP in dense layers, the experts in sparse ones)."""
+    if model_cfg is None:
+        if module == "moe":
+            raise ValueError("naming the experts' adapters needs the model's config (model_cfg)")
+        return f"model.layers.{{i}}.{_HF_MODULE[module]}.{name}", lambda i: True
+    path = hf.weight_names(model_cfg)[("layers", module, name)][0].removesuffix(".weight")
+    if module == "attn":
+        return path, lambda i: True
+    return path, lambda i: model_cfg.is_sparse(i) == (module == "moe")
+
+
+def peft_tensors(trainable, model_cfg=None) -> dict[str, np.ndarray]:
     """The adapters under PEFT's tensor names and layouts (float32, unscaled: PEFT applies
     alpha / r itself): `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`
-    [r, in_features] and `...lora_B.weight` [out_features, r]."""
+    [r, in_features] and `...lora_B.weight` [out_features, r]; an expert's per expert, under its
+    module in the checkpoint's per-expert layout (`_peft_module`; needs `model_cfg`)."""
     tensors = {}
     for module, names in trainable["lora"]["layers"].items():
         for name, ab in names.items():
             a, b = np.asarray(jax.device_get(ab["a"])), np.asarray(jax.device_get(ab["b"]))
             r = a.shape[-1]
-            for i in range(a.shape[0]):
-                prefix = f"base_model.model.model.layers.{i}.{_HF_MODULE[module]}.{name}"
-                a_i = a[i].reshape(-1, r).T  # [r, in]
-                b_i = b[i].reshape(r, -1).T  # [out, r]
-                tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_i, np.float32)
-                tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_i, np.float32)
+            path, holds = _peft_module(module, name, model_cfg)
+            for i in filter(holds, range(a.shape[0])):
+                experts = range(a.shape[1]) if module == "moe" else (None,)
+                for e in experts:
+                    a_i, b_i = (a[i], b[i]) if e is None else (a[i, e], b[i, e])
+                    prefix = "base_model.model." + path.format(i=i, e=e)
+                    a_i = a_i.reshape(-1, r).T  # [r, in]
+                    b_i = b_i.reshape(r, -1).T  # [out, r]
+                    tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_i, np.float32)
+                    tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_i, np.float32)
     return tensors
 
 
-def peft_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
-    """PEFT's `adapter_config.json` of a LoRA adapter trained with `lora_cfg`."""
+def peft_target_modules(lora_cfg, model_cfg=None) -> list[str]:
+    """PEFT's `target_modules` of `lora_cfg.target_modules`: the names themselves, and with
+    `model_cfg` each module name they adapt in that model (Mixtral's experts: w1, w3, w2)."""
+    targets = target_list(lora_cfg.target_modules)
+    if model_cfg is None:
+        return targets
+    kinds = model_cfg.mlp_kinds()
+    present = {"attn": True, "mlp": False in kinds, "moe": True in kinds}
+    names = [
+        _peft_module(module, name, model_cfg)[0].rsplit(".", 1)[1]
+        for name in targets
+        for module, _, _ in _modules(name)
+        if present[module]
+    ]
+    return list(dict.fromkeys(names))
+
+
+def peft_config(lora_cfg, base_model_name_or_path: str = "", model_cfg=None) -> dict:
+    """PEFT's `adapter_config.json` of a LoRA adapter trained with `lora_cfg` (on the model of
+    `model_cfg`, when given: its module names, `peft_target_modules`)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -220,7 +290,7 @@ def peft_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
         "r": int(lora_cfg.rank),
         "lora_alpha": float(lora_cfg.alpha),
         "lora_dropout": float(lora_cfg.dropout),
-        "target_modules": target_list(lora_cfg.target_modules),
+        "target_modules": peft_target_modules(lora_cfg, model_cfg),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -231,16 +301,19 @@ def peft_config(lora_cfg, base_model_name_or_path: str = "") -> dict:
     }
 
 
-def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "") -> None:
-    """Writes `out_dir`/adapter_config.json and adapter_model.safetensors (PEFT's format)."""
+def save_peft(out_dir, trainable, lora_cfg, base_model_name_or_path: str = "", model_cfg=None):
+    """Writes `out_dir`/adapter_config.json and adapter_model.safetensors (PEFT's format);
+    `model_cfg` (needed for a mixture of experts' adapters) names the modules as its checkpoint
+    does."""
     os.makedirs(out_dir, exist_ok=True)
     safetensors.numpy.save_file(
-        peft_tensors(trainable),
+        peft_tensors(trainable, model_cfg),
         os.path.join(out_dir, "adapter_model.safetensors"),
         metadata={"format": "pt"},
     )
+    config = peft_config(lora_cfg, base_model_name_or_path, model_cfg)
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(lora_cfg, base_model_name_or_path), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------- a run's state

@@ -598,8 +598,14 @@ class MoE(nn.Module):
     [E, I, H] (logical axis "expert" first).
 
     `__call__(x [B, L, H], routing=None, token_mask=None)` -> (y [B, L, H], `moe.Routing`):
-    `routing` [B, L, k] int32 replaces the router's own top k (routing replay); `token_mask`
-    [B, L] marks the real tokens the load-balancing statistics count (None: all)."""
+    `routing` [B, L, k] int replaces the router's own top k (routing replay), except at tokens
+    whose entry is negative (-1: none recorded), which keep their own; `token_mask` [B, L]
+    marks the real tokens the load-balancing statistics count (None: all).
+
+    LoRA (`jrl.models.lora`): an expert projection with an adapter ("lora" collection, A [E,
+    in, r] and B [E, r, out], one pair per expert) computes with W + A B (`_expert_weights`),
+    the low-rank product folded into the weights at each forward, as PEFT does for stacked
+    expert parameters (its `target_parameters`); no dropout there."""
 
     cfg: ModelConfig
     decode: bool = False  # `product`'s: the rollout's forwards
@@ -613,9 +619,17 @@ class MoE(nn.Module):
         gate = _param(self, "gate_proj", (e, h, f), ("expert", "embed", "mlp"), cfg)
         up = _param(self, "up_proj", (e, h, f), ("expert", "embed", "mlp"), cfg)
         down = _param(self, "down_proj", (e, f, h), ("expert", "mlp", "embed"), cfg)
+        adapted = lambda n, w: _expert_weights(w, self.get_variable("lora", n), dt)
+        gate, up, down = (
+            adapted(n, w) if self.has_variable("lora", n) else w
+            for n, w in zip(EXPERT_PROJECTIONS, (gate, up, down))
+        )
         x2 = x.reshape(-1, h)
         logits = product("th,he->te", x2, router, dt, self.decode)
         given = None if routing is None else routing.reshape(-1, k)
+        if given is not None:  # where nothing was recorded (-1), the router's own top k
+            own = moe.route(logits, k, cfg.norm_topk_prob)[3]
+            given = jnp.where(given[:, :1] < 0, own, given)
         experts, weights, probs, own = moe.route(logits, k, cfg.norm_topk_prob, given)
         act = ACTIVATIONS.get(cfg.hidden_act)
         per_token = lambda a: a.reshape(*x.shape[:-1], k)  # [B, L, k]: rows stay split
@@ -625,6 +639,36 @@ class MoE(nn.Module):
         valid = None if token_mask is None else token_mask.reshape(-1)
         stats = moe.routing_stats(own, probs, valid)
         return y, moe.Routing(per_token(own), *stats)
+
+
+# The expert projections, in the order `MoE` reads them (their LoRA adapters' names too).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_weights(w_EIO, adapter, dt):
+    """An expert projection's weights [..., E, in, out] with its LoRA adapter folded in, in the
+    compute dtype: W + A B, A [..., E, in, r], B [..., E, r, out] (B already scaled by alpha /
+    r)."""
+    return w_EIO.astype(dt) + jnp.matmul(adapter["a"].astype(dt), adapter["b"].astype(dt))
+
+
+def fold_expert_adapters(cfg: ModelConfig, params):
+    """`params` (with a "lora" entry, `variables`) with the experts' adapters folded into the
+    stacked expert weights (`_expert_weights`, in the compute dtype) and dropped from the
+    adapters: what `MoE` computes at every forward, done once (the rollout, before its decode
+    loop; no gradient flows through it). `params` itself when it holds no expert adapter."""
+    adapters = params.get("lora", {}).get("layers", {})
+    if "moe" not in adapters:
+        return params
+    dt = jnp.dtype(cfg.dtype)
+    experts = dict(params["layers"]["moe"])
+    for name, adapter in adapters["moe"].items():
+        experts[name] = _expert_weights(experts[name], adapter, dt)
+    rest = {m: v for m, v in adapters.items() if m != "moe"}
+    out = {**params, "layers": {**params["layers"], "moe": experts}}
+    if rest:
+        return {**out, "lora": {**params["lora"], "layers": rest}}
+    return {k: v for k, v in out.items() if k != "lora"}
 
 
 def _no_routing(cfg: ModelConfig, x) -> moe.Routing:
@@ -956,21 +1000,28 @@ class Prefill(NamedTuple):
     key_valid: jax.Array  # [B, P + R] bool: real prompt slots, then every response slot
     first_position: jax.Array  # [B] int32: the position id of response token 0
     prompt_cache: tuple  # per layer {"k", "v"} [G, K, P, D]: the prompts, each once
+    # a model with experts: the prompts' `Output.routing` (experts [S, G, P, k], each prompt
+    # once; statistics over their real tokens); None for a dense model
+    routing: moe.Routing | None = None
 
 
-def prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_slots: int):
+def prefill(
+    model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_slots: int, routing=None
+):
     """Runs G left-padded prompts once (prompt token j in cache slot j, position ids skipping
     the padding) and gives each of its `samples` consecutive rows (`jnp.repeat` order, B = G x
     samples) a copy of its keys and values with `new_slots` response slots after them. Shared by
     the rollout and the grouped forward (`grouped_response_forward`); differentiable, so a
-    prompt's gradient is the sum of its rows'."""
+    prompt's gradient is the sum of its rows'. A model with experts takes replayed experts
+    `routing` [S, G, P, k] (see `Transformer`) and reports the prompts' (`Prefill.routing`)."""
     cfg = model.cfg
     g, p = prompt_ids_GP.shape
     rows = lambda x: jnp.repeat(x, samples, axis=0)  # per prompt -> per row
     positions = positions_from_mask(prompt_mask_GP)
     valid = prompt_mask_GP.astype(bool)
     causal = valid[:, None, :] & jnp.tril(jnp.ones((p, p), bool))
-    out = model.apply(variables_, prompt_ids_GP, positions, causal, init_cache(cfg, g, p), 0)
+    cache = init_cache(cfg, g, p)
+    out = model.apply(variables_, prompt_ids_GP, positions, causal, cache, 0, routing, valid)
     last = Output(
         rows(out.hidden[:, -1:]),
         out.head,
@@ -980,10 +1031,19 @@ def prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, samples: int, new_
     pad = ((0, 0), (0, 0), (0, new_slots), (0, 0))  # [B, K, S, D]: after the prompt's slots
     cache = jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache)
     key_valid = jnp.pad(rows(valid), ((0, 0), (0, new_slots)), constant_values=True)
-    return Prefill(last, cache, key_valid, rows(positions[:, -1] + 1), out.cache)
+    first = rows(positions[:, -1] + 1)
+    return Prefill(last, cache, key_valid, first, out.cache, out.routing)
 
 
-def grouped_response_forward(cfg: ModelConfig, params, prompt_ids_GP, prompt_mask_GP, ids_BR):
+def grouped_response_forward(
+    cfg: ModelConfig,
+    params,
+    prompt_ids_GP,
+    prompt_mask_GP,
+    ids_BR,
+    routing=None,
+    response_mask_BR=None,
+):
     """Forward of B = G x n rows whose n consecutive rows share a prompt (a GRPO group), each
     prompt run once: the prompts (left-padded [G, P]) through `prefill`, then every row's
     response tokens [B, R] over its prompt's keys and values. Returns an `Output` whose hidden
@@ -991,20 +1051,36 @@ def grouped_response_forward(cfg: ModelConfig, params, prompt_ids_GP, prompt_mas
     the response tokens (the slice `full_forward(prompt + response)[:, P - 1 : -1]`); same
     function, computed on G x P + B x R tokens instead of B x (P + R).
 
+    A model with experts takes replayed experts `routing` = (prompts' [S, G, P, k], responses'
+    [S, B, R, k]) or None, and returns `Output.routing` as `full_forward` of prompt + response
+    gives it: experts [S, B, P + R, k] (each prompt's repeated for its n rows), statistics
+    counting a prompt's real tokens n times (once per row, as the full forward does) and the
+    responses' where `response_mask_BR` [B, R] is 1 (None: every response token).
+
     The response queries attend over the cache through a [B, R, P + R] mask (the rollout's
     attention), so this suits short sequences, where the full forward's attention is "xla"."""
     model = Transformer(cfg)
     variables_ = variables(params)
     b, r = ids_BR.shape
-    p = prompt_ids_GP.shape[1]
-    pre = prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, b // prompt_ids_GP.shape[0], r)
+    g, p = prompt_ids_GP.shape
+    prompt_routing, response_routing = (None, None) if routing is None else routing
+    pre = prefill(model, variables_, prompt_ids_GP, prompt_mask_GP, b // g, r, prompt_routing)
     causal = jnp.arange(p + r)[None, :] <= p + jnp.arange(r)[:, None]  # [R, P + R]
     mask = pre.key_valid[:, None, :] & causal[None]
     positions = pre.first_position[:, None] + jnp.arange(r)[None]
-    out = model.apply(variables_, ids_BR, positions, mask, pre.cache, p)
+    out = model.apply(
+        variables_, ids_BR, positions, mask, pre.cache, p, response_routing, response_mask_BR
+    )
     join = lambda first, rest: jnp.concatenate([first, rest[:, :-1]], axis=1)
     values = None if out.values is None else join(pre.last.values, out.values)
-    return Output(join(pre.last.hidden, out.hidden), out.head, values, None)
+    routed = None
+    if out.routing is not None:  # the prompt's once per row, as a full forward counts them
+        n, prompt = b // g, pre.routing
+        routed = moe.Routing(
+            jnp.concatenate([jnp.repeat(prompt.experts, n, axis=1), out.routing.experts], 2),
+            *(n * once + rest for once, rest in zip(prompt[1:], out.routing[1:])),
+        )
+    return Output(join(pre.last.hidden, out.hidden), out.head, values, None, routed)
 
 
 def apply_full(cfg: ModelConfig, params, input_ids_BL, attention_mask_BL):

@@ -290,7 +290,8 @@ def memory_report(cfg, target: targets.Target | None = None) -> dict:
     larger than a chip's memory gives `fits: False` and the compiler's message instead of the
     figures."""
     config_lib.validate(cfg)
-    tok, task, reward_fn, model_cfg = trainer.build(cfg)
+    built = trainer.build(cfg)
+    task, model_cfg = built.task, built.model_cfg
     if target is None:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     else:
@@ -298,11 +299,11 @@ def memory_report(cfg, target: targets.Target | None = None) -> dict:
     key = jax.random.key(0)
     params = lambda: transformer.init_params(model_cfg, key)
     init = lambda: train_state.init_state(cfg, model_cfg, params(), key)
-    step_fn, abstract, state_sh, batch_sh = trainer.jit_step(
-        cfg, model_cfg, reward_fn, trainer.sampling_ids(tok, task, cfg), mesh, init
-    )
+    ids = trainer.sampling_ids(built.tokenizer, task, cfg)
+    jitted = trainer.jit_step(cfg, model_cfg, built.reward_fn, ids, mesh, init)
+    abstract = jitted.abstract_state
     batch = task.train_batch(0, step_lib.prompts_per_step(cfg))  # host arrays: only shapes used
-    args = (targets.abstract(abstract, state_sh), targets.abstract(batch, batch_sh))
+    args = (targets.abstract(abstract, jitted.state_sh), targets.abstract(batch, jitted.batch_sh))
     prompts = step_lib.prompts_per_step(cfg)
     shapes = {
         "devices": mesh.size,
@@ -320,7 +321,7 @@ def memory_report(cfg, target: targets.Target | None = None) -> dict:
         about = {"compiler": targets.compiler_name(), "target": target.describe()}
     t = time.perf_counter()
     try:
-        compiled = targets.compile(step_fn, args, target, mesh)
+        compiled = targets.compile(jitted.step_fn, args, target, mesh)
     except targets.DoesNotFit as e:
         compile_s = round(time.perf_counter() - t, 1)
         failed = {"fits": False, "compiler_message": str(e), "compile_s": compile_s}

@@ -85,12 +85,13 @@ class Shape:
 
     def __init__(self, cfg, decode_attention: str | None = None):
         config_lib.validate(cfg)
-        tok, task, _, model_cfg = trainer.build(cfg)
+        built = trainer.build(cfg)
+        task, model_cfg = built.task, built.model_cfg
         if decode_attention is not None:
             attention.DECODE_IMPLEMENTATIONS.get(decode_attention)
             model_cfg = dataclasses.replace(model_cfg, decode_attention=decode_attention)
         self.model_cfg = model_cfg
-        ids = trainer.sampling_ids(tok, task, cfg)
+        ids = trainer.sampling_ids(built.tokenizer, task, cfg)
         self.groups = step_lib.prompts_per_step(cfg)
         self.n = cfg.rollout.n
         self.rows = self.groups * self.n

@@ -80,7 +80,9 @@ class Evaluator:
             cfg = checkpoint_lib.load_config(workdir, step)
         config_lib.validate(cfg)
         self.workdir, self.cfg = workdir, cfg
-        self.tokenizer, self.task, self.reward_fn, self.model_cfg = trainer.build(cfg)
+        built = trainer.build(cfg)
+        self.tokenizer, self.task = built.tokenizer, built.task
+        self.reward_fn, self.model_cfg = built.reward_fn, built.model_cfg
         self.params, self.step = checkpoint_lib.restore_params(workdir, cfg, self.model_cfg, step)
         self.batch = self.task.eval_batch()
         self._ids = trainer.sampling_ids(self.tokenizer, self.task, cfg)

@@ -69,7 +69,7 @@ def export(
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.tmp-")
     try:
         if adapter_only:
-            lora_lib.save_peft(tmp, trainable, cfg.lora, cfg.model.hf_path)
+            lora_lib.save_peft(tmp, trainable, cfg.lora, cfg.model.hf_path, model_cfg)
         else:
             models.save_pretrained(model_cfg, params, tmp, tokenizer=tok, dtype=dtype or None)
         if os.path.isdir(out_dir):

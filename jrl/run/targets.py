@@ -272,7 +272,7 @@ def compile(fn, abstract_args, target: Target | None = None, mesh: Mesh | None =
 # --- GPU ---------------------------------------------------------------------------------------
 
 # XLA flags for a CUDA backend, each with the value jrl sets (flag names and values checked
-# against jax 0.10.2's XLA by tests/targets_test.py). The rollout's decode is a lax.while_loop
+# against jax 0.10.2's XLA by tests/run/targets_test.py). The rollout's decode is a lax.while_loop
 # (and lax.cond / lax.switch); XLA:GPU records a while loop's body into a command buffer (a CUDA
 # graph, looping on the device) only when WHILE is among the command types, which it is not by
 # default (CONDITIONAL is; named so that it stays on). The '+' adds the types to XLA's default

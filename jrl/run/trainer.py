@@ -1,11 +1,14 @@
-"""The trainer as a library: `run(cfg, workdir)` trains (or resumes) one run; `build`,
-`model_config`, `initial_params`, `jit_step` and `sampling_ids` are the pieces the other tools
-(jrl.run.evaluator, jrl.run.exporter, jrl.run.benchmark) and the tests share. The command line
-is jrl/train.py.
+"""The trainer as a library: `run(cfg, workdir)` trains (or resumes) one run; `build` (a
+`Built`), `model_config`, `initial_params`, `jit_step` (a `JittedStep`) and `sampling_ids` are
+the pieces the other tools (jrl.run.evaluator, jrl.run.exporter, jrl.run.benchmark) and the
+tests share. The command line is jrl/train.py.
 
-Read `run` top to bottom: validate the config, build the tokenizer, task, reward and model,
-resume from the workdir's newest valid checkpoint or warm up (optional supervised steps), then
-loop over RL steps. Each RL step is one jitted call of the fused step (jrl/step.py); the host only
+Read `run` top to bottom (`_run`): `set_up` validates the config and builds the tokenizer, task,
+reward and model, the mesh, the checkpointer and the jitted step into a `Run`; `start_or_resume`
+resumes from the workdir's newest valid checkpoint or warms up (optional supervised steps);
+`open_loop` opens the metric writer, the progress bar and the eval; `train_steps` loops over RL
+steps (batch, step, checks, eval, metrics row, checkpoint); `finish` saves, closes and releases
+the workdir. Each RL step is one jitted call of the fused step (jrl/step.py); the host only
 feeds prompt batches, writes metrics and saves checkpoints. Multi-host: every process runs the
 same `run`; each feeds only the prompt rows its devices hold; process 0 writes metrics,
 tensorboard and config.json; all save checkpoints.
@@ -19,6 +22,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from absl import logging
 from etils import epath
@@ -43,6 +47,7 @@ from jrl.run import workdir as workdir_lib
 from jrl.run.metric_writers import MetricWriter, ProgressBar, to_python
 from jrl.tools import base as tool_base
 from jrl.tools import host as tool_host
+from jrl.tools.metrics import multi_turn_metrics
 
 
 def init_distributed(
@@ -169,7 +174,17 @@ def task_options(cfg) -> dict:
     return options
 
 
-def build(cfg):
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `build` makes of a config: the pieces of a run that need no device."""
+
+    tokenizer: Any  # the run's tokenizer (config.tokenizer, else model.hf_path's)
+    task: Any  # the prompts: train_batch(i, size, rows=...), eval_batch(), decode_responses
+    reward_fn: Callable  # the task's reward (jrl.rewards.get_reward)
+    model_cfg: transformer.ModelConfig  # the policy's
+
+
+def build(cfg) -> Built:
     """Tokenizer, task, reward function and the policy's model config of a run. Bad input (a
     missing data file or field, an unreadable tokenizer or checkpoint config) raises ConfigError
     with the loader's one-line message, before anything compiles."""
@@ -181,7 +196,7 @@ def build(cfg):
         raise config_lib.ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from e
 
 
-def _build(cfg):
+def _build(cfg) -> Built:
     if cfg.model.hf_path:  # a damaged weight file stops the run here, before the workdir
         pretrained.check_files(cfg.model.hf_path)
     tok, policy_cfg = policy_model(cfg)
@@ -201,7 +216,7 @@ def _build(cfg):
             f"{policy_cfg.vocab_size}; use the model's own tokenizer (--config.tokenizer='') or a "
             f"model with a vocabulary of at least {len(tok)}."
         )
-    return tok, task, reward_fn, policy_cfg
+    return Built(tokenizer=tok, task=task, reward_fn=reward_fn, model_cfg=policy_cfg)
 
 
 # XLA's CPU collectives end the process (a fatal error, status 134) when one device waits for
@@ -228,10 +243,21 @@ def reward_time_limit(cfg) -> float:
     return limit
 
 
-def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
+@dataclasses.dataclass(frozen=True)
+class JittedStep:
+    """What `jit_step` returns: the jitted fused step and the shapes and placement of its
+    inputs."""
+
+    step_fn: Callable  # (state, batch) -> (state, metrics); the state is donated
+    abstract_state: Any  # the train state's shapes (jax.ShapeDtypeStruct leaves)
+    state_sh: Any  # the train state's NamedShardings
+    batch_sh: NamedSharding  # the prompt batch's
+
+
+def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state) -> JittedStep:
     """The fused step jitted over `mesh` (state donated) and the abstract train state of
-    `init_state()` with its shardings: (step_fn, abstract_state, state_shardings, batch_sharding).
-    Nothing is allocated; the trainer and `python -m jrl.bench --memory` compile the same step."""
+    `init_state()` with its shardings (`JittedStep`). Nothing is allocated; the trainer and
+    `python -m jrl.bench --memory` compile the same step."""
     abstract = jax.eval_shape(init_state)
     critic_cfg = train_state.model_configs(cfg, model_cfg)[1]
     axes = lora_lib.state_axes(
@@ -248,21 +274,68 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state):
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
     )
-    return step_fn, abstract, state_sh, batch_sh
+    return JittedStep(
+        step_fn=step_fn, abstract_state=abstract, state_sh=state_sh, batch_sh=batch_sh
+    )
 
 
 # ---------------------------------------------------------------------------------------------
+# A training run: `set_up` makes its `Run`, `start_or_resume` its train state, `open_loop` its
+# outputs; `train_steps` loops over its steps and `finish` ends it.
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a training run is made of once set up (`set_up`), before its train state exists:
+    what starting, the loop over steps and the ending read."""
+
+    cfg: Any  # validated
+    workdir: str  # absolute (orbax needs absolute paths), or a gs:// URL
+    guard: Any  # the checkpoint.PreemptionGuard `run` entered
+    built: Built  # tokenizer, task, reward function, the policy's model config
+    mesh: jax.sharding.Mesh
+    ids: dict  # `sampling_ids` (with the config's stops and multi-turn tool host)
+    key_init: Any  # the initial parameters' key (the seed's first half)
+    init: Callable  # params -> the train state at step 0 (its key the seed's second half)
+    inputs: dict  # the input files' fingerprints (config.json; a resume checks them)
+    ckpt: Any  # the run's Checkpointer, its saves guarded (`open_checkpoints`)
+    jitted: JittedStep  # the fused step and its state's shapes and shardings
+    long_prompts: dict  # `prompt_counts`: step 0's data/prompts_* metrics
+    main_process: bool  # process 0: it writes metrics and config.json, and prints
+    base_from_hf: bool  # checkpoints leave out the LoRA base (reloaded from model.hf_path)
+    config_json: dict  # the config as each checkpoint records it
+
+    def say(self, *args, **kwargs) -> None:
+        """`print` on the main process (the few lines a run shows), nothing on the others."""
+        if self.main_process:
+            print(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What the loop over steps uses beside the `Run` (`open_loop`): the metric writer, the
+    progress bar, the eval that writes to both, and this host's share of each prompt batch."""
+
+    writer: Any  # a MetricWriter, its writes guarded
+    bar: ProgressBar
+    evaluate: Callable  # (state, step) -> metrics (`make_evaluate`)
+    batch_size: int  # prompts per step
+    rows: slice  # the rows of each batch this host reads (sharding.process_rows)
+
+
 # LoRA on a Hugging Face checkpoint: a resume reloads the frozen base from model.hf_path
 # (checkpoint_lib.lora_base_from_hf).
 
 
-def reload_lora_base(cfg, model_cfg, state, extra, key, mesh, params_sh):
+def reload_lora_base(run: Run, state, extra: dict, params_sh):
     """`state` with its frozen base loaded from model.hf_path; CheckpointError (one line) when
     that is not the base the checkpoint was trained on."""
+    cfg = run.cfg
     message = lora_lib.check_base(extra.get("lora_base") or {}, cfg.model.hf_path)
     if message:
         raise checkpoint_lib.CheckpointError(message)
-    base, _ = lora_lib.split(initial_params(cfg, model_cfg, key, mesh, params_sh))
+    params = initial_params(cfg, run.built.model_cfg, run.key_init, run.mesh, params_sh)
+    base, _ = lora_lib.split(params)
     return state.replace(ref_params=base)
 
 
@@ -356,13 +429,15 @@ def same_on_every_host(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def warm_params(cfg, model_cfg, task, key, evaluate_fn, params_sh, say):
+def warm_params(run: Run, params_sh):
     """The small demo model after its supervised warm-up (run on each host, then process 0's
-    result placed into `params_sh`)."""
-    params = initial_params(cfg, model_cfg, key)
+    result placed into `params_sh`); the warm-up's evals are greedy (`make_eval`)."""
+    cfg, model_cfg, task = run.cfg, run.built.model_cfg, run.built.task
+    evaluate_fn = make_eval(model_cfg, run.built.reward_fn, **run.ids)
+    params = initial_params(cfg, model_cfg, run.key_init)
     t0 = time.perf_counter()
     params, steps, acc = sft.sft_warmup(cfg, model_cfg, task, params, jax.jit(evaluate_fn))
-    say(
+    run.say(
         f"warm-up: {steps} supervised steps in {time.perf_counter() - t0:.1f}s, greedy "
         f"train accuracy {acc:.3f} (target {cfg.warmup.target_accuracy})",
         flush=True,
@@ -385,35 +460,35 @@ def open_checkpoints(cfg, workdir: str, inputs: dict, allow_changes: bool):
     return workdir_lib.Guarded(ckpt, ckpt.directory, ("save", "maybe_save", "wait", "close"))
 
 
-def start_or_resume(
-    cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
-):
+def start_or_resume(run: Run) -> tuple:
     """(state, the checkpoint's extra or None, start step): the newest valid checkpoint's state
     (the warm-up is skipped: policy, critic and reference come from it; a LoRA base from
     model.hf_path is reloaded and checked), else a fresh state at step 0 from the warmed-up or
-    initial params (`key_init`'s), placed into `state_sh` by `init(params) -> state`
-    (`abstract` is the state's shapes)."""
-    base_from_hf = checkpoint_lib.lora_base_from_hf(cfg)
+    initial params (`run.key_init`'s), placed into the state's shardings by `run.init`."""
+    cfg, mesh, state_sh = run.cfg, run.mesh, run.jitted.state_sh
     target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        run.jitted.abstract_state,
+        state_sh,
     )
-    resumed = ckpt.restore_latest(target.replace(ref_params=None) if base_from_hf else target)
+    resumed = run.ckpt.restore_latest(
+        target.replace(ref_params=None) if run.base_from_hf else target
+    )
     params_sh = state_sh.params  # the model's; with LoRA those of the base and the heads
     if lora_lib.lora_on(cfg):
         params_sh = lora_lib.reference_params(cfg, state_sh)
     if resumed is not None:
         state, extra, start = resumed
-        if base_from_hf:
-            state = reload_lora_base(cfg, model_cfg, state, extra, key_init, mesh, params_sh)
-        say(f"resumed from {ckpt.directory} at step {start}", flush=True)
+        if run.base_from_hf:
+            state = reload_lora_base(run, state, extra, params_sh)
+        run.say(f"resumed from {run.ckpt.directory} at step {start}", flush=True)
         return state, extra, start
     if cfg.warmup.sft_steps:  # the small demo model, warmed up, then placed
-        evaluate_fn = make_eval(model_cfg, reward_fn, **ids)
-        params = warm_params(cfg, model_cfg, task, key_init, evaluate_fn, params_sh, say)
+        params = warm_params(run, params_sh)
     else:  # straight into the shards: no host holds the whole model
-        params = initial_params(cfg, model_cfg, key_init, mesh, params_sh)
+        params = initial_params(cfg, run.built.model_cfg, run.key_init, mesh, params_sh)
     # the initial params are donated: the state takes their buffers, no third copy
-    return sharding.sharded_init(init, mesh, state_sh, donate_argnums=0)(params), None, 0
+    return sharding.sharded_init(run.init, mesh, state_sh, donate_argnums=0)(params), None, 0
 
 
 def run(
@@ -439,123 +514,205 @@ def run(
 
 
 def _run(cfg, workdir: str, *, fresh: bool, allow_changes: bool, guard) -> dict:
+    """`run` inside its guard: set up, start or resume, the loop over steps, the ending."""
+    run = set_up(cfg, workdir, fresh=fresh, allow_changes=allow_changes, guard=guard)
+    state, resumed, start = start_or_resume(run)
+    check_rewards(run.built.reward_fn)  # the warm-up's evals
+    loop = open_loop(run, start, resumed=resumed is not None)
+    try:
+        metrics, first_accuracy = first_eval(run, loop, state, start, resumed)
+        state, metrics, done = train_steps(run, loop, state, start, metrics, first_accuracy)
+    except rewards.RewardFailed as e:  # nothing of this step is kept; earlier saves commit
+        stop_after_reward_failure(e, run.ckpt, [loop.bar, loop.writer], run.workdir)
+    finish(run, loop, state, done, first_accuracy)  # Preempted when it stopped before the end
+    metrics["val/accuracy_first"] = first_accuracy
+    return metrics
+
+
+def set_up(cfg, workdir: str, *, fresh: bool, allow_changes: bool, guard) -> Run:
+    """The `Run` of `cfg` in `workdir`, its summary printed: the config validated and the
+    pieces built (ConfigError before anything is written), the workdir prepared (its lock, the
+    log file, --fresh), the checkpoints opened (a resume must have the same inputs) and the step
+    jitted. Failed rewards are deferred to `check_rewards`; a stop request reaches the rewards."""
     config_lib.validate(cfg)
     if "://" not in workdir:
         workdir = os.path.abspath(workdir)  # orbax needs absolute paths
-    tok, task, reward_fn, model_cfg = build(cfg)
+    built = build(cfg)
     try:
         mesh = sharding.make_mesh(cfg.mesh.axes, cfg.mesh.shape)
     except ValueError as e:
         raise config_lib.ConfigError(str(e)) from None
     batching.micro_batch_counts(cfg, mesh)  # micro-batch sizes divide each device's rows
-    rewards.defer_failures(reward_fn)  # a failing reward ends the step; the loop checks it
+    rewards.defer_failures(built.reward_fn)  # a failing reward ends the step; the loop checks it
     rewards.clear_stop()
     guard.on_request.append(rewards.request_stop)  # SIGTERM: a user reward gets a grace period
     prepare_workdir(workdir, fresh=fresh, guard=guard)
-    main_process = jax.process_index() == 0  # the one that writes metrics and config.json
-    say = print if main_process else lambda *_, **__: None  # the few lines a run shows
-    long_prompts = prompt_counts(task)
+    long_prompts = prompt_counts(built.task)
     if any(long_prompts.values()):
         logging.warning("prompts longer than data.max_prompt_length: %s", long_prompts)
 
-    ids = sampling_ids(tok, task, cfg)
+    ids = sampling_ids(built.tokenizer, built.task, cfg)
     key_init, key_state = jax.random.split(jax.random.key(cfg.seed))
-    init = lambda params: train_state.init_state(cfg, model_cfg, params, key_state)
+    init = lambda params: train_state.init_state(cfg, built.model_cfg, params, key_state)
     inputs = workdir_lib.fingerprints(cfg)
     ckpt = open_checkpoints(cfg, workdir, inputs, allow_changes)
-    step_fn, abstract, state_sh, batch_sh = jit_step(
+    jitted = jit_step(
         cfg,
-        model_cfg,
-        reward_fn,
+        built.model_cfg,
+        built.reward_fn,
         ids,
         mesh,
-        lambda: init(transformer.init_params(model_cfg, key_init)),
+        lambda: init(transformer.init_params(built.model_cfg, key_init)),
     )
-    num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
-    summary = console.run_summary(
-        cfg,
-        model_cfg,
-        num_params,
-        mesh,
-        workdir,
+    run = Run(
+        cfg=cfg,
+        workdir=workdir,
+        guard=guard,
+        built=built,
+        mesh=mesh,
+        ids=ids,
+        key_init=key_init,
+        init=init,
+        inputs=inputs,
+        ckpt=ckpt,
+        jitted=jitted,
+        long_prompts=long_prompts,
+        main_process=jax.process_index() == 0,  # the one that writes metrics and config.json
+        base_from_hf=checkpoint_lib.lora_base_from_hf(cfg),
+        config_json=json.loads(cfg.to_json_best_effort()),
+    )
+    run.say("\n".join(summary(run)), flush=True)
+    return run
+
+
+def summary(run: Run) -> list[str]:
+    """The lines a run shows before it starts (`console.run_summary`)."""
+    task, abstract = run.built.task, run.jitted.abstract_state
+    return console.run_summary(
+        run.cfg,
+        run.built.model_cfg,
+        sum(x.size for x in jax.tree.leaves(abstract.params)),
+        run.mesh,
+        run.workdir,
         eval_prompts=len(task.eval_batch()["input_ids"]),  # what is evaluated, not task.eval_size
         prompt=first_prompt(task),
         checkpoint_bytes=checkpoint_lib.nbytes(abstract.replace(ref_params=None)),
     )
-    say("\n".join(summary), flush=True)
-    base_from_hf = checkpoint_lib.lora_base_from_hf(cfg)
-    state, resumed, start = start_or_resume(
-        cfg, model_cfg, task, reward_fn, ids, mesh, ckpt, state_sh, init, key_init, abstract, say
-    )
-    check_rewards(reward_fn)  # the warm-up's evals
+
+
+def open_loop(run: Run, start: int, *, resumed: bool) -> Loop:
+    """The run's outputs once its state is there: process 0 trims metrics.jsonl to the rows
+    before `start` (all of them when not `resumed`: they are redone) and writes config.json;
+    then the metric writer, the progress bar and the eval, and this host's rows of a batch."""
+    workdir, guard = run.workdir, run.guard
     metrics_path = os.path.join(workdir, metric_files.METRICS_FILE)
-    if main_process:  # after a successful restore; rows past it (all, when fresh) are redone
+    if run.main_process:  # after a successful restore; rows past it (all, when fresh) are redone
         with workdir_lib.writing(metrics_path), guard.writing():
-            metric_files.trim_metrics(workdir, start if resumed is not None else -1)
+            metric_files.trim_metrics(workdir, start if resumed else -1)
         config_path = os.path.join(workdir, workdir_lib.CONFIG_FILE)
         with workdir_lib.writing(config_path), guard.writing():
-            metric_files.write_text(config_path, workdir_lib.config_json(cfg, inputs))
+            metric_files.write_text(config_path, workdir_lib.config_json(run.cfg, run.inputs))
     with workdir_lib.writing(metrics_path), guard.writing():
         writer = workdir_lib.Guarded(
-            MetricWriter(workdir, enabled=main_process), metrics_path, hold=guard.writing
+            MetricWriter(workdir, enabled=run.main_process), metrics_path, hold=guard.writing
         )
-    bar = ProgressBar(cfg.total_steps, initial=start, enabled=main_process, kl=kl_metric(cfg))
-    evaluate = make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar)
-    config_json = json.loads(cfg.to_json_best_effort())
-    save_extra = lambda done: {  # what a checkpoint records next to the state
+    kl = kl_metric(run.cfg)
+    bar = ProgressBar(run.cfg.total_steps, initial=start, enabled=run.main_process, kl=kl)
+    evaluate = make_evaluate(run, writer, bar)
+    batch_size = step_lib.prompts_per_step(run.cfg)
+    rows = sharding.process_rows(run.jitted.batch_sh, batch_size)  # this host's share
+    return Loop(writer=writer, bar=bar, evaluate=evaluate, batch_size=batch_size, rows=rows)
+
+
+def first_eval(run: Run, loop: Loop, state, start: int, resumed: dict | None) -> tuple:
+    """(the metrics the loop starts from, the first eval's val/accuracy): a fresh run evaluates
+    step 0 and writes it with the prompt counts; a resumed one has the accuracy in its checkpoint
+    and evaluates only when no step is left."""
+    if resumed is None:
+        metrics = loop.evaluate(state, 0)
+        first_accuracy = metrics["val/accuracy"]
+        loop.writer.write(0, {**metrics, **run.long_prompts})
+        return metrics, first_accuracy
+    first_accuracy = resumed["val/accuracy_first"]
+    metrics = loop.evaluate(state, start) if start >= run.cfg.total_steps else {}
+    return metrics, first_accuracy
+
+
+def train_steps(run: Run, loop: Loop, state, start: int, metrics: dict, first_accuracy) -> tuple:
+    """(state, last metrics, steps done): the RL steps from `start` to cfg.total_steps, or
+    until a stop request (every process stops after the same step). Each step: its batch, the
+    step, the checks (rewards, then finite values), the eval when due, its metrics row, and a
+    checkpoint every checkpoint.every_steps."""
+    cfg, ckpt = run.cfg, run.ckpt
+    consecutive_skips, done = 0, start
+    for i in range(start, cfg.total_steps):
+        batch = next_batch(run, loop, i)
+        state, metrics = train_step(run, state, batch)  # its rewards checked, its timings
+        done = i + 1
+        if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+            metrics.update(loop.evaluate(state, done))
+        ckpt.wait()  # the last save committed before this row: a kill loses <= every_steps
+        loop.writer.write(done, metrics)
+        loop.bar.update(metrics)
+        consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
+        if ckpt.maybe_save(done, saved(run, state), checkpoint_extra(run, done, first_accuracy)):
+            loop.writer.flush()  # a resumed run does not redo the rows up to a checkpoint
+        if run.guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
+            break
+    return state, metrics, done
+
+
+def next_batch(run: Run, loop: Loop, i: int):
+    """Prompt batch `i` as one global array; this host reads only its own rows of it."""
+    local = run.built.task.train_batch(i, loop.batch_size, rows=loop.rows)
+    return sharding.global_batch(local, run.jitted.batch_sh, loop.batch_size)
+
+
+def train_step(run: Run, state, batch) -> tuple:
+    """(state, metrics as Python values): one jitted step, then its rewards checked (before
+    anything of the step is written or saved) and its time measured."""
+    t = time.perf_counter()
+    with jax.set_mesh(run.mesh):
+        state, metrics = run.jitted.step_fn(state, batch)
+    metrics = to_python(jax.device_get(metrics))
+    check_rewards(run.built.reward_fn)  # before anything of the step is written or saved
+    run.guard.defer()  # this start has a step to save: a signal now stops after a step
+    elapsed = time.perf_counter() - t
+    metrics["timing_s/step"] = elapsed
+    metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
+    return state, metrics
+
+
+def saved(run: Run, state):
+    """What a checkpoint holds of `state`: all of it, or without the LoRA base from
+    model.hf_path (reloaded on resume)."""
+    return state.replace(ref_params=None) if run.base_from_hf else state
+
+
+def checkpoint_extra(run: Run, done: int, first_accuracy) -> dict:
+    """What a checkpoint records next to the state after `done` steps."""
+    base = {"lora_base": lora_lib.base_identity(run.cfg.model.hf_path)} if run.base_from_hf else {}
+    return {
         "next_batch": done,  # the data position: batch i is task.train_batch(i, ...)
         "val/accuracy_first": first_accuracy,
-        "config": config_json,
-        **({"lora_base": lora_lib.base_identity(cfg.model.hf_path)} if base_from_hf else {}),
+        "config": run.config_json,
+        **base,
     }
-    saved = lambda state: state.replace(ref_params=None) if base_from_hf else state
-    batch_size = step_lib.prompts_per_step(cfg)
-    my_rows = sharding.process_rows(batch_sh, batch_size)  # this host's share of each batch
-    consecutive_skips, done = 0, start
-    try:
-        if resumed is None:
-            metrics = evaluate(state, 0)
-            first_accuracy = metrics["val/accuracy"]
-            writer.write(0, {**metrics, **long_prompts})
-        else:
-            first_accuracy = resumed["val/accuracy_first"]
-            metrics = evaluate(state, start) if start >= cfg.total_steps else {}
-        for i in range(start, cfg.total_steps):
-            local = task.train_batch(i, batch_size, rows=my_rows)  # only this host's rows
-            batch = sharding.global_batch(local, batch_sh, batch_size)
-            t = time.perf_counter()
-            with jax.set_mesh(mesh):
-                state, metrics = step_fn(state, batch)
-            metrics = to_python(jax.device_get(metrics))
-            check_rewards(reward_fn)  # before anything of the step is written or saved
-            guard.defer()  # this start has a step to save: a signal now stops after a step
-            elapsed = time.perf_counter() - t
-            metrics["timing_s/step"] = elapsed
-            metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed
-            done = i + 1
-            if done == cfg.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-                metrics.update(evaluate(state, done))
-            ckpt.wait()  # the last save committed before this row: a kill loses <= every_steps
-            writer.write(done, metrics)
-            bar.update(metrics)
-            consecutive_skips = check_finite(cfg, {**metrics, "step": done}, consecutive_skips)
-            if ckpt.maybe_save(done, saved(state), save_extra(done)):
-                writer.flush()  # a resumed run does not redo the rows up to a checkpoint
-            if guard.should_stop(done) and done < cfg.total_steps:  # every process, every step
-                break
-    except rewards.RewardFailed as e:  # nothing of this step is kept; earlier saves commit
-        stop_after_reward_failure(e, ckpt, [bar, writer], workdir)
-    # the one way out (done, or preempted after step `done`): save, close, release
-    if cfg.checkpoint.at_end or done < cfg.total_steps:  # a preempted run always saves
-        ckpt.save(done, saved(state), save_extra(done))  # no-op if already saved
-    ckpt.close()
-    bar.close()
-    writer.close()
-    workdir_lib.release(workdir)
-    if done < cfg.total_steps:
+
+
+def finish(run: Run, loop: Loop, state, done: int, first_accuracy) -> None:
+    """The one way out (done, or preempted after step `done`): save, close, release; raises
+    checkpoint.Preempted when the run stopped before cfg.total_steps."""
+    total = run.cfg.total_steps
+    if run.cfg.checkpoint.at_end or done < total:  # a preempted run always saves
+        extra = checkpoint_extra(run, done, first_accuracy)
+        run.ckpt.save(done, saved(run, state), extra)  # no-op if already saved
+    run.ckpt.close()
+    loop.bar.close()
+    loop.writer.close()
+    workdir_lib.release(run.workdir)
+    if done < total:
         raise checkpoint_lib.Preempted(done)
-    metrics["val/accuracy_first"] = first_accuracy
-    return metrics
 
 
 def stop_after_reward_failure(error, ckpt, closing, workdir: str) -> None:
@@ -600,7 +757,9 @@ def make_eval(
 ):
     """`evaluate(params, batch) -> {"val/accuracy", "val/response_length"}` with greedy decoding;
     `ids`: `sampling_ids`' (eos_id, pad_id, max_new_tokens, stop_ids and, multi-turn, the
-    `tool_host`: the reward reads the whole response and the length counts tool tokens). With
+    `tool_host`: the reward reads the model's final turn, the length counts tool tokens, and
+    "val/tool_calls" (calls per answer) and "val/tool_errors" (calls answered with an error, in
+    all) come too). With
     `num_samples` > 0 also the first `num_samples` rows' answers to look at:
     "samples/response_ids" and "samples/response_mask" [num_samples, R] (the mask covering tool
     tokens too), "samples/score" [num_samples] (jrl.samples splits them off the metrics)."""
@@ -614,6 +773,10 @@ def make_eval(
             "val/accuracy": jnp.mean(scores),
             "val/response_length": jnp.mean(jnp.sum(valid, -1).astype(jnp.float32)),
         }
+        if ids.get("tool_host") is not None:  # the greedy answers' calls
+            calls = multi_turn_metrics(out.stats, out.assistant_turns, jnp.sum(valid, -1))
+            metrics["val/tool_calls"] = calls["tool_call_counts/mean"]
+            metrics["val/tool_errors"] = calls["tool_calls/errors"]
         if num_samples:
             metrics["samples/response_ids"] = out.response_ids[:num_samples]
             metrics["samples/response_mask"] = valid[:num_samples]
@@ -623,9 +786,11 @@ def make_eval(
     return evaluate
 
 
-def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, bar):
+def make_evaluate(run: Run, writer, bar):
     """`evaluate(state, step) -> metrics`: greedy accuracy on the task's eval batch; also writes
     the eval's sample answers (`writer`) and shows the first (`bar`)."""
+    cfg, mesh, task, reward_fn = run.cfg, run.mesh, run.built.task, run.built.reward_fn
+    model_cfg, ids, state_sh = run.built.model_cfg, run.ids, run.jitted.state_sh
     num_samples = min(cfg.eval_samples, len(task.eval_batch()["input_ids"]))
     eval_samples_fn = make_eval(model_cfg, reward_fn, **ids, num_samples=num_samples)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -642,7 +807,13 @@ def make_evaluate(cfg, task, model_cfg, reward_fn, ids, mesh, state_sh, writer, 
         check_rewards(reward_fn)
         rows = samples_lib.rows(task, task.eval_batch(), found) if jax.process_index() == 0 else []
         writer.write_samples(step, rows, samples_lib.markdown(rows))
-        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}")
+        tools = ""
+        if "val/tool_calls" in metrics:
+            tools = (
+                f" (tool calls per answer {metrics['val/tool_calls']:.2f}, "
+                f"errors {metrics['val/tool_errors']:.0f})"
+            )
+        bar.write(f"step {step}: val/accuracy {metrics['val/accuracy']:.3f}{tools}")
         for line in samples_lib.lines(rows[:1]):
             bar.write(f"  e.g. {line}")
         return metrics
