@@ -115,8 +115,8 @@ def test_model_presets_have_the_published_shape(name):
 
 def test_qwen3_30b_a3b_preset_is_the_checkpoints_architecture():
     """The preset's model is what jrl reads from Qwen3-30B-A3B's config.json (its fields as
-    tests/moe_test.py holds them), the dtypes and memory settings aside."""
-    from moe_test import QWEN3_30B_A3B
+    tests/helpers/moe_configs.py holds them), the dtypes and memory settings aside."""
+    from helpers.moe_configs import QWEN3_30B_A3B
     from jrl.models import hf, transformer
 
     cfg = grpo_math.get_config("model=qwen3-30b-a3b")

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import GOLDEN, tiny_model
+from helpers.moe_configs import MIXTRAL_8X7B, QWEN3_30B_A3B
 from jrl import sharding
 from jrl.models import hf, lora, moe
 from jrl.models import transformer as tfm
@@ -343,51 +344,6 @@ def test_sharded_load_streams_experts_into_their_shards(loaded):
     assert {s.data.shape for s in gate.addressable_shards} == {(2, 4, 16, 16)}
     for k, v in _flat(params).items():
         np.testing.assert_array_equal(v, _flat(loaded("mixtral")[1])[k], err_msg=str(k))
-
-
-# The architecture fields of the Hub's Qwen3-30B-A3B and Mixtral-8x7B-v0.1 config.json files
-# (Qwen3-MoE spells the expert count num_experts there; transformers 5 writes num_local_experts).
-QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe",
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-    "sliding_window": None,
-    "router_aux_loss_coef": 0.001,
-    "output_router_logits": False,
-}
-MIXTRAL_8X7B = {
-    "model_type": "mixtral",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-05,
-    "max_position_embeddings": 32768,
-    "sliding_window": None,
-    "router_aux_loss_coef": 0.02,
-    "output_router_logits": False,
-}
 
 
 @pytest.mark.parametrize(
