@@ -252,11 +252,9 @@ def _v5p_64(c):  # a v5p-64 slice: 32 chips (64 TensorCores) on 8 hosts of 4, 95
     c.data.train_batch_size = 64  # 512 rows, 16 per chip in the rollout and when scoring
     c.actor.ppo_mini_batch_size = 16  # 128 rows, 4 per chip per update: 4 updates per step
     c.actor.ppo_micro_batch_size_per_device = 4  # the 4 rows of a chip at once
-    # peak per chip, 7B, by XLA:CPU: 176.6 / 214.6 GB (GSM8K / MATH lengths) with the decode
-    # compacted, 92.8 GB at GSM8K lengths without (--config.rollout.compact_decode=false), of
-    # 95 GB, as upper bounds: XLA:CPU counts the gathered weights in float32 and every
-    # compaction stage's cache. The TPU compiler's figure for two of the 28 layers is 11.5 GB per
-    # chip against XLA:CPU's 31.1 (README, "Will it fit?"). Not yet run on a v5p.
+    # peak per chip, 7B, GSM8K lengths: 44.8 GB from the TPU compiler (--target=tpu) of 95.7 GB;
+    # XLA:CPU, an upper bound (float32 copies of gathered weights), says 99.5 GB
+    # (docs/memory.md). Not yet run on a v5p.
 
 
 def _v5p_64_ep(c):  # a v5p-64 slice (32 chips, 95 GB HBM each) for a mixture of experts
