@@ -13,7 +13,8 @@ A target is named by
     names count TensorCores, two per chip (a v5p-64 is 32 chips); v5e and v6e names count chips.
     The slice's topology is Cloud TPU's default one for that many chips (v5p-64: 2x4x4);
   * a topology: `v5p:2x4x4`, `v5e:4x4` (generation, then chips along each axis);
-  * `tpu`: the slice of the config's `mesh=` preset (`--config=configs/grpo_math.py:mesh=v5p-64`).
+  * `tpu`: the slice of the config's `mesh=` preset (`--config=configs/grpo_math.py:mesh=v5p-64`;
+    `mesh=v5p-64-ep`, with an expert axis, is the same slice).
 
 Use from code (a report that compiles another function does the same as `memory_report`):
 
@@ -110,8 +111,8 @@ def parse(name: str, presets: str = "") -> Target:
                 "--target=tpu compiles for the TPU slice of the config's mesh= preset, and the "
                 "config has none; add one (e.g. :mesh=v5p-64) or name a slice (--target=v5p-8)."
             )
-        try:
-            return parse(meshes[-1])
+        try:  # an expert-parallel preset (v5p-64-ep) runs on its slice (v5p-64)
+            return parse(meshes[-1].removesuffix("-ep"))
         except TargetError:
             raise TargetError(
                 f"--target=tpu: mesh={meshes[-1]} is not a TPU slice; name one (--target=v5p-8)."

@@ -47,6 +47,7 @@ def test_slice_names_give_cloud_tpu_topologies(name):
 def test_a_topology_is_taken_as_given_and_tpu_reads_the_mesh_preset():
     assert targets.parse("v5p:2x2x2") == ("v5p:2x2x2", "v5p", "v5p:2x2x2", 8)
     assert targets.parse("tpu", "model=qwen2.5-7b,mesh=v5p-64").topology == "v5p:2x4x4"
+    assert targets.parse("tpu", "model=qwen3-30b-a3b,mesh=v5p-64-ep") == targets.parse("v5p-64")
 
 
 @pytest.mark.parametrize(
