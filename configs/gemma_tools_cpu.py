@@ -61,7 +61,7 @@ def get_config(arg: str | None = None):
 
     c.model.logits_chunk_size = 8  # [rows, 8, 262k] log-prob chunks over the 32 response slots
 
-    c.total_steps = 10  # RL steps (30-step runs of seeds 0-2 reached their last accuracy by step 10)
+    c.total_steps = 10  # RL steps (30-step runs of seeds 0-2 had their last accuracy by step 10)
     c.eval_every = 5  # greedy held-out accuracy every 5 steps (and at the start and end)
     c.data.train_batch_size = 8  # prompts per step
     c.rollout.n = 8  # samples per prompt: 64 rows per step

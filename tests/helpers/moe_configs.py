@@ -1,6 +1,6 @@
 """The architecture fields of two released mixture-of-experts checkpoints' config.json files
-(moe_test reads and writes them back; presets_test checks the qwen3-30b-a3b preset against one). Qwen3-MoE spells the expert count num_experts there; transformers 5 writes
-num_local_experts."""
+(moe_test reads and writes them back; presets_test checks the qwen3-30b-a3b preset against one).
+Qwen3-MoE spells the expert count num_experts there; transformers 5 writes num_local_experts."""
 
 QWEN3_30B_A3B = {
     "model_type": "qwen3_moe",

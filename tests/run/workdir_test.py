@@ -273,7 +273,7 @@ def _config_error(spec):
 def test_preset_typo_gives_the_reason_and_the_valid_presets():
     last = _config_error("configs/grpo_math.py:modle=qwen")
     assert last.startswith("error: unknown preset 'modle=qwen' (did you mean 'model=qwen2.5-"), last
-    assert "valid presets: tiny, drgrpo, model=qwen2.5-0.5b," in last and "mesh=v5p-64." in last
+    assert "valid presets: tiny, drgrpo, model=qwen2.5-0.5b," in last and "mesh=v5p-64-ep." in last
 
 
 def test_exception_inside_a_config_file_gives_type_message_line_and_presets(tmp_path):
