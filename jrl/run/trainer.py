@@ -254,11 +254,9 @@ class JittedStep:
     batch_sh: NamedSharding  # the prompt batch's
 
 
-def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state) -> JittedStep:
-    """The fused step jitted over `mesh` (state donated) and the abstract train state of
-    `init_state()` with its shardings (`JittedStep`). Nothing is allocated; the trainer and
-    `python -m jrl.bench --memory` compile the same step."""
-    abstract = jax.eval_shape(init_state)
+def state_shardings(cfg, model_cfg, mesh, abstract):
+    """The NamedShardings over `mesh` of the abstract train state `abstract` of `cfg` (the policy's,
+    the critic's and, with LoRA, the adapters' logical axes)."""
     critic_cfg = train_state.model_configs(cfg, model_cfg)[1]
     axes = lora_lib.state_axes(
         cfg,
@@ -266,7 +264,15 @@ def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state) -> JittedSt
         transformer.logical_axes(model_cfg),
         None if critic_cfg is None else transformer.logical_axes(critic_cfg),
     )
-    state_sh = sharding.state_shardings(mesh, abstract, **axes)
+    return sharding.state_shardings(mesh, abstract, **axes)
+
+
+def jit_step(cfg, model_cfg, reward_fn, ids: dict, mesh, init_state) -> JittedStep:
+    """The fused step jitted over `mesh` (state donated) and the abstract train state of
+    `init_state()` with its shardings (`JittedStep`). Nothing is allocated; the trainer and
+    `python -m jrl.bench --memory` compile the same step."""
+    abstract = jax.eval_shape(init_state)
+    state_sh = state_shardings(cfg, model_cfg, mesh, abstract)
     batch_sh = sharding.batch_sharding(mesh, step_lib.prompts_per_step(cfg))
     step_fn = jax.jit(
         step_lib.make_step(cfg, model_cfg, reward_fn, **ids, mesh=mesh),

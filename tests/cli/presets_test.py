@@ -234,13 +234,7 @@ _PROBE = textwrap.dedent(
         abstract = jax.eval_shape(
             lambda: train_state.init_state(cfg, mc, transformer.init_params(mc, key), key)
         )
-        critic = train_state.model_configs(cfg, mc)[1]
-        sh = sharding.state_shardings(
-            mesh,
-            abstract,
-            transformer.logical_axes(mc),
-            None if critic is None else transformer.logical_axes(critic),
-        )
+        sh = trainer.state_shardings(cfg, mc, mesh, abstract)
         out["state"][preset] = {
             "mesh": dict(mesh.shape),
             "params": nbytes(abstract.params, sh.params),
