@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 import jrl.models
 from conftest import GOLDEN
+from helpers.tiny_decoders import random_params
 from jrl import sharding
 from jrl import tokenizer as tokenizer_lib
 from jrl.models import hf
@@ -383,10 +384,7 @@ def wide_checkpoint(tmp_path_factory):
         num_kv_heads=2,
         hf_model_type="llama",
     )
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(
-        lambda s: rng.standard_normal(s.shape, dtype=np.float32), hf.abstract_params(cfg)
-    )
+    params = random_params(cfg, std=1.0)
     path = hf.save_pretrained(cfg, params, tmp_path_factory.mktemp("wide"))
     return path, sum(x.nbytes for x in jax.tree.leaves(params))
 
