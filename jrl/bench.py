@@ -54,6 +54,11 @@ from __future__ import annotations
 
 import json
 
+if __name__ == "__main__":
+    from jrl.run import host
+
+    host.use_huge_pages()  # before JAX loads, as `python -m jrl.train` does
+
 from absl import app, flags
 
 from jrl.run import benchmark, cli, decode_report, targets
@@ -102,6 +107,7 @@ def _target() -> targets.Target | None:
         cli.fail(str(e))
     targets.host_only()  # before any device use: the attached chips, if any, are not needed
     return target
+
 
 _DECODE = flags.DEFINE_bool(
     "decode",

@@ -27,6 +27,9 @@ import os
 import signal
 
 if __name__ == "__main__":  # a signal while the modules below load: nothing to save yet
+    from jrl.run import host
+
+    host.use_huge_pages()  # before JAX loads (it may start this command again, once)
 
     def _exit_preempted(signum, frame):
         name = signal.Signals(signum).name
