@@ -69,6 +69,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jrl import partitioning
@@ -138,18 +139,112 @@ def _tiled(x_MK, w_GKN, group_sizes_G, out_dtype):
     return out.reshape(tiles * tile, n)[:m]
 
 
+def capacity_rows(m: int, groups: int) -> int:
+    """Rows per expert in one pass of `capacity_mlp` for m rows in `groups` groups: twice the
+    mean group's size rounded up to a power of two, 8 to `TILE`."""
+    mean = -(-m // max(groups, 1))
+    return min(TILE, max(8, 1 << (2 * mean - 1).bit_length()))
+
+
+def _pass_rows(starts_E, sizes_E, p, c: int):
+    """Pass p's rows: [E, C] row indices (positions p C .. p C + C - 1 of each group) and
+    whether each is in its group."""
+    position = p * c + jnp.arange(c)
+    return starts_E[:, None] + position, position < sizes_E[:, None]
+
+
+def _swiglu(act, dtype, decode, x_ECH, gate, up, down):
+    """The experts' MLP on each expert's [C, H] rows at once (a batched product over E: no
+    expert's weights are sliced out); products in float32 when `decode`."""
+    acc = jnp.float32 if decode else dtype
+    mm = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=acc).astype(dtype)
+    h = act(mm("ech,ehi->eci", x_ECH, gate)) * mm("ech,ehi->eci", x_ECH, up)
+    return mm("eci,eih->ech", h, down)
+
+
+def _gather_pass(x_MH, idx_EC, in_group_EC):
+    m = x_MH.shape[0]
+    rows = jnp.take(x_MH, jnp.minimum(idx_EC, m - 1), axis=0)
+    return jnp.where(in_group_EC[..., None], rows, jnp.zeros((), x_MH.dtype))
+
+
+def _add_pass(y_MH, idx_EC, in_group_EC, out_ECH):
+    return y_MH.at[jnp.where(in_group_EC, idx_EC, y_MH.shape[0])].add(out_ECH, mode="drop")
+
+
+def _zeros_like(a, *like):
+    """Zeros shaped as `a`, varying over the mesh axes any of `a`, `like` vary over (a loop's
+    carry inside `dispatch`'s shard_map must have its body's type from the start)."""
+    z = jnp.zeros_like(a)
+    for b in like:
+        z = z + jnp.zeros_like(b.reshape(-1)[:1], a.dtype).reshape((1,) * a.ndim)
+    return z
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def capacity_mlp(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+    """The experts' SwiGLU MLP of rows x [M, H] sorted into E consecutive groups (group e: the
+    sizes[e] rows from starts[e]) with each group's weights: [M, H] in `dtype` (rows past the
+    groups: 0). Pass p multiplies positions p C .. p C + C - 1 of every group as one batched
+    [E, C, H] product; the passes run while some group has rows left (ceil(max size / C) of
+    them). `options` = (act,). Its gradient is its own: the same passes, each one's product
+    differentiated (`jax.vjp`), the rows' gradients added to theirs and the weights' summed."""
+    (act,) = options
+    fn = functools.partial(_swiglu, act, dtype, decode)
+    passes = (jnp.max(sizes_E) + c - 1) // c
+
+    def one_pass(state):
+        p, y = state
+        idx, in_group = _pass_rows(starts_E, sizes_E, p, c)
+        out = fn(_gather_pass(x_MH, idx, in_group), gate, up, down)
+        return p + 1, _add_pass(y, idx, in_group, out)
+
+    y = _zeros_like(jnp.zeros((x_MH.shape[0], down.shape[2]), dtype), x_MH, gate, down, sizes_E)
+    return jax.lax.while_loop(lambda state: state[0] < passes, one_pass, (0, y))[1]
+
+
+def _capacity_mlp_fwd(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+    y = capacity_mlp(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E)
+    return y, (x_MH, gate, up, down, starts_E, sizes_E)
+
+
+def _capacity_mlp_bwd(options, c, dtype, decode, residuals, dy_MH):
+    x_MH, gate, up, down, starts_E, sizes_E = residuals
+    fn = functools.partial(_swiglu, options[0], dtype, decode)
+    passes = (jnp.max(sizes_E) + c - 1) // c
+
+    def one_pass(state):
+        p, dx, *dw = state
+        idx, in_group = _pass_rows(starts_E, sizes_E, p, c)
+        _, vjp = jax.vjp(fn, _gather_pass(x_MH, idx, in_group), gate, up, down)
+        d_rows, *d_weights = vjp(_gather_pass(dy_MH.astype(dtype), idx, in_group))
+        dw = [a + b.astype(a.dtype) for a, b in zip(dw, d_weights)]
+        return p + 1, _add_pass(dx, idx, in_group, d_rows.astype(dx.dtype)), *dw
+
+    like = (x_MH, dy_MH, gate, down, sizes_E)
+    grads = [_zeros_like(a.astype(jnp.float32), *like) for a in (x_MH, gate, up, down)]
+    _, dx, *dw = jax.lax.while_loop(lambda state: state[0] < passes, one_pass, (0, *grads))
+    no_grad = tuple(np.zeros(a.shape, jax.dtypes.float0) for a in (starts_E, sizes_E))
+    cast = lambda g, a: g.astype(a.dtype)
+    return (cast(dx, x_MH), *(cast(g, w) for g, w in zip(dw, (gate, up, down))), *no_grad)
+
+
+capacity_mlp.defvjp(_capacity_mlp_fwd, _capacity_mlp_bwd)
+
+
 # Grouped matmuls by name (`ModelConfig.moe_matmul`; "auto": see `resolve_matmul`).
 MATMULS = Registry(
-    "grouped matmul (model.moe_matmul)", {"auto": None, "ragged": _ragged, "tiled": _tiled}
+    "grouped matmul (model.moe_matmul)",
+    {"auto": None, "ragged": _ragged, "tiled": _tiled, "capacity": None},
 )
 
 
 def resolve_matmul(name: str, backend: str | None = None) -> str:
-    """The grouped matmul `name` runs: itself, or for "auto" "tiled" on CPU, else "ragged"."""
+    """The grouped matmul `name` runs: itself, or for "auto" "capacity" on CPU, else "ragged"."""
     MATMULS.get(name)
     if name != "auto":
         return name
-    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged"
+    return "capacity" if (backend or jax.default_backend()) == "cpu" else "ragged"
 
 
 def grouped_matmul(
@@ -193,9 +288,15 @@ def experts_forward(
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
     rows = jnp.take(x_TH.astype(dtype), order // k, axis=0)  # [T*k, H]
-    mm = lambda a, w: grouped_matmul(a, w, sizes, dtype, decode, implementation)
-    h = act(mm(rows, gate_EHI)) * mm(rows, up_EHI)
-    out = mm(h, down_EIH)  # [T*k, H], sorted
+    if resolve_matmul(implementation) == "capacity":
+        c = capacity_rows(t * k, num_experts)
+        starts = jnp.cumsum(sizes) - sizes
+        weights = (gate_EHI.astype(dtype), up_EHI.astype(dtype), down_EIH.astype(dtype))
+        out = capacity_mlp((act,), c, jnp.dtype(dtype), decode, rows, *weights, starts, sizes)
+    else:
+        mm = lambda a, w: grouped_matmul(a, w, sizes, dtype, decode, implementation)
+        h = act(mm(rows, gate_EHI)) * mm(rows, up_EHI)
+        out = mm(h, down_EIH)  # [T*k, H], sorted
     if first_expert is not None:  # rows past the groups: 0 whatever the grouped matmul leaves
         live = jnp.arange(t * k) < jnp.sum(sizes)
         out = jnp.where(live[:, None], out, jnp.zeros((), out.dtype))

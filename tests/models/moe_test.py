@@ -62,12 +62,13 @@ def _expert_weights(e=4, h=6, i=5, seed=0):
 EXPERTS = np.array([[0, 1], [1, 0], [3, 1], [0, 3], [1, 0], [3, 0], [0, 1]], np.int32)
 
 
-@pytest.mark.parametrize("implementation", ["ragged", "tiled"])
+@pytest.mark.parametrize("implementation", ["ragged", "tiled", "capacity"])
 def test_dispatch_equals_a_loop_over_each_tokens_experts_and_so_do_its_gradients(
     implementation, monkeypatch
 ):
     """The sorted rows in groups of 6, 5, 0 and 3; "tiled" in tiles of 4 rows, so groups start
-    and end inside tiles and a tile holds two groups."""
+    and end inside tiles and a tile holds two groups; "capacity" in passes of 4 rows per
+    expert, so two passes, the second with rows of two groups only."""
     monkeypatch.setattr(moe, "TILE", 4)
     gate, up, down = _expert_weights()
     rng = np.random.default_rng(1)
