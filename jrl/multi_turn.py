@@ -164,7 +164,9 @@ def generate(model_cfg, params, prompt_ids_BP, prompt_mask_BP, key, *, host: Hos
     b, r = prompts * samples, max_new_tokens
     stop_strings = getattr(host, "stop_tables", None)
     opts = rollout.Options(p, r, eos_id, pad_id, stop_ids, **sampling, per_row=True)
-    opts = opts._replace(stop_strings=stop_strings)
+    opts = opts._replace(
+        stop_strings=stop_strings, shared_prompt=rollout.shares_prompt(model_cfg, p, r)
+    )
     variables = rollout.prepare(model_cfg, params)  # once, outside the decode loop
     force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)
     draws = rollout.Draws(jax.random.uniform(key, (r, b)), force_ids=force)

@@ -81,6 +81,22 @@ class Options(NamedTuple):
     # strings in the text of the row's current turn (a byte tail per row, `_Rows.tail`); None: off
     stop_strings: Any = None
     record_experts: bool = False  # record each token's experts (`Carry.experts`; R3 replay)
+    # with samples > 1, read each prompt's keys / values once per group (`start`); see
+    # `shares_prompt` for the default
+    shared_prompt: bool = True
+
+
+def shares_prompt(model_cfg, p: int, r: int, backend: str | None = None) -> bool:
+    """Whether a decode of P prompt slots and R response slots reads each prompt once per group
+    (`Options.shared_prompt`): always off XLA:CPU (it reads fewer bytes); on XLA:CPU only when
+    the P + R slots exceed one attention block (`model.attention_block_size`). There the
+    shared segment cost more than the reads it saved while one block held the cache: W2's
+    rollout (16 x 8 rows, R = 64, alternated in one process) took 2.1x / 1.8x / 1.6x as long
+    with it at P = 64 / 128 / 256; past one block the rows' cache is read in a loop of block
+    copies, and sharing won (0.74x at P = 512; docs/performance.md, "Rollout time")."""
+    if (backend or jax.default_backend()) != "cpu":
+        return True
+    return p + r > model_cfg.attention_block_size
 
 
 class Draws(NamedTuple):
@@ -152,13 +168,13 @@ def prepare(model_cfg, params):
 def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opts: Options):
     """The carry before token 0: the prompts prefilled once each (`transformer.prefill`, their
     keys / values copied into their `samples` rows' cache), every row live. With samples > 1
-    the decode attention reads each prompt's keys / values once for its rows
-    (`transformer.with_shared_prompt`) until the rows are compacted."""
+    and `opts.shared_prompt` the decode attention reads each prompt's keys / values once for
+    its rows (`transformer.with_shared_prompt`) until the rows are compacted."""
     model = transformer.Transformer(model_cfg, decode=True)
     pre = transformer.prefill(model, variables, prompt_ids_BP, prompt_mask_BP, samples, opts.r)
     b = prompt_ids_BP.shape[0] * samples
     cache = pre.cache
-    if samples > 1:
+    if samples > 1 and opts.shared_prompt:
         cache = transformer.with_shared_prompt(cache, pre.prompt_cache)
     rows = _Rows(
         None,
@@ -328,6 +344,7 @@ def generate(
     force_ids=None,
     compact_min_rows: int = 0,
     record_experts: bool = False,
+    shared_prompt: bool | None = None,
 ) -> Rollout:
     """Samples up to `max_new_tokens` tokens for every prompt row; stops once every row hit EOS.
     `stop_ids` are more tokens that end a row as EOS does (kept in the response and its mask).
@@ -358,7 +375,11 @@ def generate(
     prompts, p = prompt_ids_BP.shape
     b, r = prompts * samples, max_new_tokens
     opts = Options(p, r, eos_id, pad_id, tuple(stop_ids), temperature, top_k, top_p, greedy)
-    opts = opts._replace(stop_strings=stop_strings, record_experts=record_experts)
+    opts = opts._replace(
+        stop_strings=stop_strings,
+        record_experts=record_experts,
+        shared_prompt=shares_prompt(model_cfg, p, r) if shared_prompt is None else shared_prompt,
+    )
     variables = prepare(model_cfg, params)  # once, outside the decode loop
     forced = None if forced_length is None else jnp.asarray(forced_length, jnp.int32)
     force = None if force_ids is None else jnp.asarray(force_ids, jnp.int32)

@@ -142,13 +142,23 @@ def test_sampled_frequencies_follow_the_tempered_softmax():
     np.testing.assert_allclose(got, want, atol=0.015)  # ~4 standard errors
 
 
-def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
-    """samples=n (each prompt once, prefilled once, its cache copied into n rows) samples what
-    the same prompts repeated n times (samples=1) sample under the same key: the same tokens and
-    masks, the same log-probs (float32 rounding apart)."""
+@pytest.mark.parametrize("shared", [True, False])
+def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params, shared):
+    """samples=n (each prompt once, prefilled once, its cache copied into n rows; with `shared`
+    the decode reads it once per group) samples what the same prompts repeated n times
+    (samples=1) sample under the same key: the same tokens and masks, the same log-probs
+    (float32 rounding apart)."""
     n = 4
     run = lambda ids, mask, samples: sample(
-        rollout.generate, CFG, params, ids, mask, jax.random.key(7), **IDS, samples=samples
+        rollout.generate,
+        CFG,
+        params,
+        ids,
+        mask,
+        jax.random.key(7),
+        **IDS,
+        samples=samples,
+        shared_prompt=shared,
     )
     once = jax.jit(run, static_argnums=2)(PROMPTS, PMASK, n)
     rows = jax.jit(run, static_argnums=2)(np.repeat(PROMPTS, n, 0), np.repeat(PMASK, n, 0), 1)
@@ -159,6 +169,15 @@ def test_prompt_prefilled_once_for_its_samples_matches_repeated_rows(params):
     # the n samples of a prompt differ (they are samples, not copies)
     ids = np.asarray(once.response_ids).reshape(len(PROMPTS), n, R)
     assert any(len({tuple(r) for r in group}) > 1 for group in ids)
+
+
+def test_the_prompt_is_shared_off_cpu_and_on_cpu_past_one_attention_block():
+    block = CFG.attention_block_size
+    assert rollout.shares_prompt(CFG, 8, 16, backend="gpu")
+    assert rollout.shares_prompt(CFG, 8, 16, backend="tpu")
+    assert not rollout.shares_prompt(CFG, 8, 16, backend="cpu")
+    assert not rollout.shares_prompt(CFG, block - 16, 16, backend="cpu")
+    assert rollout.shares_prompt(CFG, block - 15, 16, backend="cpu")
 
 
 def test_stop_ids_end_a_row_like_eos(params):

@@ -81,9 +81,10 @@ def _abstract(tree):
 
 class Shape:
     """The rollout's shape and options from a config; `decode_attention` replaces the model's
-    (`ModelConfig.decode_attention`)."""
+    (`ModelConfig.decode_attention`); `backend` is the platform compiled for (None: the local
+    one), which decides whether the prompt is read once per group (`rollout.shares_prompt`)."""
 
-    def __init__(self, cfg, decode_attention: str | None = None):
+    def __init__(self, cfg, decode_attention: str | None = None, backend: str | None = None):
         config_lib.validate(cfg)
         built = trainer.build(cfg)
         task, model_cfg = built.task, built.model_cfg
@@ -108,6 +109,7 @@ class Shape:
             cfg.rollout.top_k,
             cfg.rollout.top_p,
             stop_strings=ids["stop_strings"],
+            shared_prompt=rollout.shares_prompt(model_cfg, self.p, self.r, backend),
         )
         self.compact_min_rows = cfg.rollout.compact_min_rows if cfg.rollout.compact_decode else 0
         self.params = jax.eval_shape(lambda: transformer.init_params(self.model_cfg, _key()))
@@ -347,7 +349,7 @@ def decode_report(
     compiled`: how to compile (default: for the local device; a TPU target's compile plugs in
     here: `jrl.run.targets.compile`) and `device` what it compiles for (default: the local
     device); `timing`: time the real rollout when the local device is a GPU or TPU."""
-    shape = Shape(cfg, decode_attention)
+    shape = Shape(cfg, decode_attention, None if compile_fn is None else "tpu")
     fill = shape.p + shape.r // 2 if fill is None else fill
     if not shape.p < fill <= shape.p + shape.r:
         raise config_lib.ConfigError(
