@@ -38,6 +38,12 @@ def main():
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt_length", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--shared_prompt",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="read each prompt once per group in the decode (auto: rollout.shares_prompt)",
+    )
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     if min(budgets) < args.length:
@@ -72,6 +78,7 @@ def main():
                     samples=args.samples,
                     forced_length=lengths,
                     compact_min_rows=min_rows,
+                    shared_prompt={"auto": None, "on": True, "off": False}[args.shared_prompt],
                 ).response_ids
             )
         )
