@@ -195,14 +195,13 @@ def _zeros_like(a, *like):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def capacity_mlp(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+def capacity_mlp(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
     """The experts' SwiGLU MLP of rows x [M, H] sorted into E consecutive groups (group e: the
     sizes[e] rows from starts[e]) with each group's weights: [M, H] in `dtype` (rows past the
     groups: 0). Pass p multiplies positions p C .. p C + C - 1 of every group as one batched
     [E, C, H] product; the passes run while some group has rows left (ceil(max size / C) of
-    them). `options` = (act,). Its gradient is its own: the same passes, each one's product
+    them). Its gradient is its own: the same passes, each one's product
     differentiated (`jax.vjp`), the rows' gradients added to theirs and the weights' summed."""
-    (act,) = options
     fn = functools.partial(_swiglu, act, dtype, decode)
     passes = (jnp.max(sizes_E) + c - 1) // c
 
@@ -216,14 +215,14 @@ def capacity_mlp(options, c, dtype, decode, x_MH, gate, up, down, starts_E, size
     return jax.lax.while_loop(lambda state: state[0] < passes, one_pass, (0, y))[1]
 
 
-def _capacity_mlp_fwd(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
-    y = capacity_mlp(options, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E)
+def _capacity_mlp_fwd(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+    y = capacity_mlp(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E)
     return y, (x_MH, gate, up, down, starts_E, sizes_E)
 
 
-def _capacity_mlp_bwd(options, c, dtype, decode, residuals, dy_MH):
+def _capacity_mlp_bwd(act, c, dtype, decode, residuals, dy_MH):
     x_MH, gate, up, down, starts_E, sizes_E = residuals
-    fn = functools.partial(_swiglu, options[0], dtype, decode)
+    fn = functools.partial(_swiglu, act, dtype, decode)
     passes = (jnp.max(sizes_E) + c - 1) // c
 
     def one_pass(state):
@@ -305,7 +304,7 @@ def experts_forward(
         c = capacity_rows(t * k, num_experts)
         starts = jnp.cumsum(sizes) - sizes
         weights = (gate_EHI.astype(dtype), up_EHI.astype(dtype), down_EIH.astype(dtype))
-        out = capacity_mlp((act,), c, jnp.dtype(dtype), decode, rows, *weights, starts, sizes)
+        out = capacity_mlp(act, c, jnp.dtype(dtype), decode, rows, *weights, starts, sizes)
     else:
         mm = lambda a, w: grouped_matmul(a, w, sizes, dtype, decode, implementation)
         h = act(mm(rows, gate_EHI)) * mm(rows, up_EHI)
