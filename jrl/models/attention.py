@@ -365,10 +365,13 @@ def decode_attention(
     `first_slot` - w + 1 (`first_slot`: min q_slot or less, an int or traced); without one at
     slot 0. The cache is read from there in whole blocks of `block_size` slots, then in blocks
     a quarter as long up to `end` (fewer than a quarter block is read past it: the cache's
-    slots there must hold finite values, as the rollout's zeros do until written); when the
-    slots from the first one read (0 when that is traced) to S fit one block of `block_size`,
-    they are read in one pass, no loop. Every block goes through an online softmax: a running
-    max, sum and float32 output per query, scores and sums in float32, the products taken with
+    slots there must hold finite values, as the rollout's zeros do until written). When the
+    slots from the first one read (0 when that is traced) to S are at most a quarter block,
+    they are read in one pass, no loop (so no more than the loop's last block would read
+    past `end`); without `prompt` that pass is `attend_head_major`'s, the training forward's
+    attention, which on XLA:CPU ran W2's rollout 1.2x faster than the online softmax over
+    the same slots. Every block of a loop goes through an online softmax: a running max, sum
+    and float32 output per query, scores and sums in float32, the products taken with
     `preferred_element_type=float32`. No [.., S] score array is formed. The probabilities are
     cast to the values' dtype before their product with v, as in `attend_head_major`. A query
     that sees no key gets 0.
@@ -387,6 +390,7 @@ def decode_attention(
         start = max(lowest, 0) if isinstance(lowest, int) else jnp.maximum(lowest, 0)
     big = min(block_size, s)
     small = max(big // 4, 1)
+    one_pass = max(block_size // 4, 1)  # slots read in one pass rather than a loop
 
     def segment(carry, q_KGLD, k, v, valid, q_slot, lo, hi):
         """The online softmax (`carry`) over slots [lo, hi) of keys / values k, v [R', K, S', D]
@@ -397,7 +401,6 @@ def decode_attention(
 
         def block(blk, first_of):
             def attend_block(j, carry):
-                m, total, acc = carry  # [R', K, G', L'] x 2, [R', K, G', L', D] (float32)
                 first = first_of(j)
                 at = jnp.minimum(first, s_seg - blk)  # past S' - blk: read from S' - blk
                 k_blk = lax.dynamic_slice_in_dim(k, at, blk, axis=2)
@@ -413,15 +416,20 @@ def decode_attention(
                 )
                 scores = _softcap(scores * scale, softcap)
                 scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+                m_new = jnp.max(scores, axis=-1)
+                if carry is not None:  # [R', K, G', L'] x 2, [R', K, G', L', D] (float32)
+                    m_new = jnp.maximum(carry[0], m_new)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # none seen yet: no rescale
                 probs = jnp.exp(scores - m_safe[..., None])
-                rescale = jnp.exp(m - m_safe)
-                total = total * rescale + jnp.sum(probs, axis=-1)
+                total = jnp.sum(probs, axis=-1)
                 pv = jnp.einsum(
                     "bkgls,bksd->bkgld", probs.astype(dt), v_blk, preferred_element_type=jnp.float32
                 )
-                return m_new, total, acc * rescale[..., None] + pv
+                if carry is None:  # the first block read: nothing to rescale
+                    return m_new, total, pv
+                m, total_before, acc = carry
+                rescale = jnp.exp(m - m_safe)
+                return m_new, total_before * rescale + total, acc * rescale[..., None] + pv
 
             return attend_block
 
@@ -435,8 +443,15 @@ def decode_attention(
             return lax.fori_loop(0, n, fn, carry)
 
         lo_read = lo if isinstance(lo, int) else 0
-        if s_seg - lo_read <= big:  # what is left fits one block: one pass, no loop
+        if s_seg - lo_read <= one_pass:  # few slots left: one pass, no loop
             return block(s_seg - lo_read, lambda j: lo)(0, carry)
+        if carry is None:  # nothing read yet: an empty running softmax for the loops
+            shape = q_KGLD.shape[:-1]
+            carry = (
+                jnp.full(shape, -jnp.inf, jnp.float32),
+                jnp.zeros(shape, jnp.float32),
+                jnp.zeros((*shape, d), jnp.float32),
+            )
         # Whole blocks of `block_size` from `lo`, then the rest up to `hi` in blocks a quarter
         # as long: the slots read past `hi` are fewer than a quarter block.
         maximum = max if isinstance(lo, int) and isinstance(hi, int) else jnp.maximum
@@ -445,11 +460,7 @@ def decode_attention(
         rest = lo + whole * seg_big
         return blocks(carry, seg_small, rest, (maximum(hi - rest, 0) + seg_small - 1) // seg_small)
 
-    carry = (
-        jnp.full((b, kh, g, l), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kh, g, l), jnp.float32),
-        jnp.zeros((b, kh, g, l, d), jnp.float32),
-    )
+    carry = None
     lo = 0
     if prompt is not None:  # the prompt's slots once per group, its n rows' queries together
         k_p, v_p, valid_p = prompt
@@ -466,7 +477,7 @@ def decode_attention(
             return jnp.moveaxis(x, 3, 1).reshape(b, kh, g, l, *x.shape[5:])
 
         carry = segment(
-            tuple(by_group(x) for x in carry),
+            None,
             by_group(q),
             k_p,
             v_p,
@@ -478,6 +489,17 @@ def decode_attention(
         carry = tuple(by_row(x) for x in carry)
         lo = p
     lo = max(start, lo) if isinstance(start, int) else jnp.maximum(start, lo)
+    lo_read = lo if isinstance(lo, int) else 0
+    if prompt is None and s - lo_read <= one_pass:  # a short cache: one materialised pass
+        k, v, valid = k_BKSD[:, :, lo_read:], v_BKSD[:, :, lo_read:], key_valid_BS[:, lo_read:]
+        slot = lo_read + jnp.arange(s - lo_read)
+        q_at = q_slot_BL[..., None]  # [B, L, 1]
+        visible = valid[:, None, :] & (slot <= q_at) & (slot >= lo)  # [B, L, S - lo_read]
+        if window is not None:
+            visible = visible & (slot > q_at - window)
+        out = attend_head_major(q_BLKGD, k, v, mask_bias(visible)[:, None, None], scale, softcap)
+        sees = jnp.any(visible, axis=-1)[..., None, None, None]  # [B, L, 1, 1, 1]
+        return jnp.where(sees, out, jnp.zeros((), out.dtype))
     carry = segment(carry, q, k_BKSD, v_BKSD, key_valid_BS, q_slot_BL, lo, end)
     _, total, acc = carry
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]

@@ -210,6 +210,8 @@ DECODE_CASES = {
     "softcap_window_gt_block": (3, 1, 4, 1, 40, 8, 13, 3.0),
     "four_queries_a_row": (3, 4, 6, 2, 29, 8, None, None),
     "block_ge_slots": (3, 2, 4, 4, 20, 64, 7, 2.0),
+    "one_pass": (3, 2, 4, 2, 20, 128, None, None),  # at most a quarter block: one pass
+    "one_pass_window_softcap": (3, 1, 4, 2, 24, 96, 5, 2.0),
 }
 
 
@@ -251,7 +253,7 @@ def test_decode_attention_matches_the_materialised_reference(case):
     end, first = int(starts.max()) + l, int(starts.min())
     # what the blocks cover: from the window's first slot (or 0), whole blocks, then quarter
     # blocks to `end` (the last one may reach past it; one past S is read from S - its size);
-    # a cache of at most one block is read whole, in one pass
+    # a cache of at most a quarter block is read whole, in one pass
     big = min(block, s)
     small = max(big // 4, 1)
     lo = 0 if window is None else max(first - window + 1, 0)
@@ -260,9 +262,10 @@ def test_decode_attention_matches_the_materialised_reference(case):
     unread = (np.arange(s) < lo) | (np.arange(s) >= read_to)
     if read_to > s:  # the last block is read from S - small
         unread &= np.arange(s) < s - small
-    if big == s:
+    one_pass = s <= block // 4
+    if one_pass:
         unread[:] = False
-    assert unread.any() or big == s  # the cases leave slots unread
+    assert unread.any() or one_pass  # the cases leave slots unread
     k_nan, v_nan = (jnp.where(jnp.asarray(unread)[:, None], jnp.nan, x) for x in (k, v))
     q_slot = starts[:, None] + jnp.arange(l)[None]
 
@@ -332,4 +335,18 @@ def test_decode_attention_reads_a_shared_prompt_once_per_group(window, softcap, 
         )
 
     got = traced(q, nan_prompt(k_full), nan_prompt(v_full), jnp.int32(end), jnp.int32(first))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [8, 128], ids=["blocks", "one_pass"])
+def test_decode_attention_gives_zero_to_a_query_that_sees_no_key(block):
+    """Row 1 has no valid slot: its output is 0 (not the mean of the values); the other rows
+    keep the reference's values."""
+    q, k, v, valid, starts = _decode_inputs(3, 1, 4, 2, 24, seed=3)
+    valid = valid.at[1].set(False)
+    want = np.array(_decode_reference(q, k, v, valid, starts, SCALE, None, None))
+    want[1] = 0.0
+    got = attention.decode_attention(
+        q, k, v, valid, starts[:, None], int(starts.max()) + 1, scale=SCALE, block_size=block
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
