@@ -150,8 +150,9 @@ def test_fused_step_replays_the_rollouts_experts_or_the_old_forwards():
     experts): the largest |log pi_old - log pi_rollout| is a flipped token's afresh and a
     rounding's replayed. Under the on-policy shortcut (one mini-batch: R3 in 4 micro-batches of
     a grouped update forward, with the load-balancing loss) the update's forward reports the
-    same. Measured: R2 (afresh) 0.131, R3 0.0077, with 1.2% of the recorded tokens routed apart
-    in some layer (0.6% of the token-layer pairs) by the replaying forward's own top 2."""
+    same experts. Measured: R2 (afresh) 0.054, R3 0.0074 (on-policy 0.0038), with 0.62% of the
+    recorded tokens routed apart in some layer (0.31% of the token-layer pairs) by the replaying
+    forward's own top 2."""
     r3 = moe_step("R3")
     on_policy = {
         "actor.ppo_mini_batch_size": 4,
@@ -166,8 +167,11 @@ def test_fused_step_replays_the_rollouts_experts_or_the_old_forwards():
     frac, layer_frac = "router_replay/mismatch_token_frac", "router_replay/mismatch_layer_frac"
     assert 0 < r3[frac] < 0.5 and r3[layer_frac] <= r3[frac]
     assert frac not in r2  # nothing recorded to compare with
-    assert r2[diff] > 5 * r3[diff]
-    for key in (frac, layer_frac, diff):  # the on-policy update's forward is the old one
+    # the on-policy update's forward replays the same experts as the old one: the same tokens
+    # routed apart, and a gap to the rollout at bfloat16 rounding (not the same rounding: the
+    # grouped update forward computes in other shapes), far below routing afresh
+    assert r2[diff] > 5 * max(r3[diff], r3_on[diff])
+    for key in (frac, layer_frac):
         np.testing.assert_allclose(r3_on[key], r3[key], rtol=0.05, atol=1e-3, err_msg=key)
     assert 0 < r3_on["actor/router_aux_loss"] < 8 and "actor/router_aux_loss" not in r3
     for m in (r2, r3, r3_on):
