@@ -494,9 +494,9 @@ def decode_attention(
         k, v, valid = k_BKSD[:, :, lo_read:], v_BKSD[:, :, lo_read:], key_valid_BS[:, lo_read:]
         slot = lo_read + jnp.arange(s - lo_read)
         q_at = q_slot_BL[..., None]  # [B, L, 1]
-        visible = valid[:, None, :] & (slot <= q_at) & (slot >= lo)  # [B, L, S - lo_read]
+        visible = valid[:, None, :] & (slot <= q_at)  # [B, L, S - lo_read]; slots < lo: masked
         if window is not None:
-            visible = visible & (slot > q_at - window)
+            visible = visible & (slot > q_at - window)  # lo = max(first - w + 1, 0) or less
         out = attend_head_major(q_BLKGD, k, v, mask_bias(visible)[:, None, None], scale, softcap)
         sees = jnp.any(visible, axis=-1)[..., None, None, None]  # [B, L, 1, 1, 1]
         return jnp.where(sees, out, jnp.zeros((), out.dtype))
