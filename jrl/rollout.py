@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jrl import partitioning
 from jrl import router_replay
-from jrl.models import transformer
+from jrl.models import attention, transformer
 from jrl.sampling import filter_logits, sample_token  # noqa: F401 (rollout.sample_token)
 
 
@@ -89,14 +89,14 @@ class Options(NamedTuple):
 def shares_prompt(model_cfg, p: int, r: int, backend: str | None = None) -> bool:
     """Whether a decode of P prompt slots and R response slots reads each prompt once per group
     (`Options.shared_prompt`): always off XLA:CPU (it reads fewer bytes); on XLA:CPU only when
-    the P + R slots exceed one attention block (`model.attention_block_size`). There the
-    shared segment cost more than the reads it saved while one block held the cache: W2's
-    rollout (16 x 8 rows, R = 64, alternated in one process) took 2.1x / 1.8x / 1.6x as long
-    with it at P = 64 / 128 / 256; past one block the rows' cache is read in a loop of block
-    copies, and sharing won (0.74x at P = 512; docs/performance.md, "Rollout time")."""
+    the P + R slots exceed what `decode_attention` reads in one materialised pass (a quarter
+    attention block, `attention.one_pass_slots`). Within it the second segment costs more
+    operations than the reads it saves: W2's rollout (R = 64) took 1.7x as long shared at
+    P + R = 128; past it the rows' cache is read in a loop and sharing won: 0.78x / 0.70x /
+    0.76x at P + R = 160 / 192 / 320 (docs/performance.md, "Rollout time")."""
     if (backend or jax.default_backend()) != "cpu":
         return True
-    return p + r > model_cfg.attention_block_size
+    return p + r > attention.one_pass_slots(model_cfg.attention_block_size)
 
 
 class Draws(NamedTuple):

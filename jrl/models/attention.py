@@ -339,6 +339,11 @@ def _splash_kernel(num_heads, seq_len, window, softcap, block, interpret):
 # Decode attention: new queries over a KV cache, reading only the blocks of keys they can see.
 
 
+def one_pass_slots(block_size: int) -> int:
+    """The most slots `decode_attention` reads in one pass, without a loop: a quarter block."""
+    return max(block_size // 4, 1)
+
+
 def decode_attention(
     q_BLKGD,
     k_BKSD,
@@ -390,7 +395,7 @@ def decode_attention(
         start = max(lowest, 0) if isinstance(lowest, int) else jnp.maximum(lowest, 0)
     big = min(block_size, s)
     small = max(big // 4, 1)
-    one_pass = max(block_size // 4, 1)  # slots read in one pass rather than a loop
+    one_pass = one_pass_slots(block_size)  # slots read in one pass rather than a loop
 
     def segment(carry, q_KGLD, k, v, valid, q_slot, lo, hi):
         """The online softmax (`carry`) over slots [lo, hi) of keys / values k, v [R', K, S', D]
