@@ -44,7 +44,8 @@ needed): per-chip figures as the chips would hold them, the report naming the co
 
 `--decode` compiles (never runs) one decode step of a config's rollout at its shape and reports
 XLA's bytes and flops per step against the bytes the step needs, its ops and roofline tokens/s
-per chip (jrl/run/decode_report.py; docs/performance.md, "Decode"), e.g.
+per chip (jrl/run/decode_report.py; docs/performance.md, "Decode"); with --target also the step
+compiled with every buffer in HBM (`unstaged`: no on-chip copies counted), e.g.
   python -m jrl.bench --decode --config=configs/grpo_math.py:model=qwen2.5-0.5b \
     --config.tokenizer=char --config.rollout.n=8 --config.data.train_batch_size=16 \
     --config.data.max_prompt_length=512 --config.data.max_response_length=1024 [--target=v5p-8]
@@ -157,7 +158,10 @@ def main(argv):
         if cfg is None:
             raise app.UsageError("--decode needs --config=configs/X.py[:presets]")
         target = _target()
-        compile_fn = None if target is None else lambda fn, args: targets.compile(fn, args, target)
+        compile_fn = unstaged = None
+        if target is not None:
+            compile_fn = lambda fn, args: targets.compile(fn, args, target)
+            unstaged = lambda fn, args: targets.compile(fn, args, target, None, targets.HBM_ONLY)
         try:
             result = decode_report.decode_report(
                 cfg,
@@ -166,6 +170,7 @@ def main(argv):
                 decode_attention=_DECODE_ATTENTION.value,
                 compile_fn=compile_fn,
                 device=None if target is None else f"one chip of {target.describe()}",
+                unstaged_compile_fn=unstaged,
             )
         except (config_lib.ConfigError, targets.TargetError) as e:
             cli.fail(str(e))

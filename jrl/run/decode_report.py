@@ -34,6 +34,10 @@ reads XLA's cost analysis of it:
   * `roofline_tokens_per_s`: B tokens per step at a chip's memory bandwidth (`CHIPS`), for
     XLA's bytes and for the needed bytes; `xla_optimal_seconds`: the TPU compiler's own
     estimate of the step's time (TPU only).
+  * `unstaged` (a TPU target): the same step and sampler compiled with every buffer in HBM
+    (`jrl.run.targets.HBM_ONLY`). The TPU compiler stages operands in on-chip memory, and its
+    analysis then counts a staged operand's bytes three or more times (the copy's read and
+    output, the consumer's read); without staging each byte counted is an HBM access.
 
 On a GPU or TPU the report also times the real rollout (random weights, every response forced to
 R tokens) and gives tokens/s and its share of the device's roofline; on CPU it does not.
@@ -341,6 +345,7 @@ def decode_report(
     compile_fn: CompileFn | None = None,
     device: str | None = None,
     timing: bool = True,
+    unstaged_compile_fn: CompileFn | None = None,
 ) -> dict:
     """The decode report of `cfg` (see the module doc). `fill`: the cache slots the step's token
     sees (its own included; default P + R / 2); `greedy`: the step samples by argmax instead of
@@ -348,7 +353,9 @@ def decode_report(
     ("blockwise"; "xla": the materialised reference); `compile_fn(jitted, abstract_args) ->
     compiled`: how to compile (default: for the local device; a TPU target's compile plugs in
     here: `jrl.run.targets.compile`) and `device` what it compiles for (default: the local
-    device); `timing`: time the real rollout when the local device is a GPU or TPU."""
+    device); `timing`: time the real rollout when the local device is a GPU or TPU;
+    `unstaged_compile_fn`: a second compile of the step and the sampler with every buffer kept
+    in HBM (a TPU target: `jrl.run.targets.HBM_ONLY`), reported as `unstaged`."""
     shape = Shape(cfg, decode_attention, None if compile_fn is None else "tpu")
     fill = shape.p + shape.r // 2 if fill is None else fill
     if not shape.p < fill <= shape.p + shape.r:
@@ -395,6 +402,20 @@ def decode_report(
         "roofline_tokens_per_s": roofline(shape.rows, nbytes),
         "roofline_tokens_per_s_needed": roofline(shape.rows, need["total"]),
     }
+    if unstaged_compile_fn is not None:
+        plain = unstaged_compile_fn(jax.jit(step, donate_argnums=2), args).cost_analysis()
+        plain_sampler = unstaged_compile_fn(jax.jit(sampler_fn), sampler_args).cost_analysis()
+        plain, plain_sampler = (
+            c[0] if isinstance(c, (list, tuple)) else c for c in (plain, plain_sampler)
+        )
+        unstaged = float(plain["bytes accessed"])
+        out["unstaged"] = {
+            "bytes": int(unstaged),
+            "sampler_bytes": int(plain_sampler["bytes accessed"]),
+            "ratio": round(unstaged / need["total"], 3),
+            "ratio_to_shared_prompt": round(unstaged / need["total_shared_prompt"], 3),
+            "roofline_tokens_per_s": roofline(shape.rows, unstaged),
+        }
     if compile_fn is local_compile and jax.default_backend() == "cpu":
         in_loop = in_loop_cost(shape, fill, shape.model_cfg.attention_block_size)
         if in_loop is not None:

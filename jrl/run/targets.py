@@ -230,9 +230,27 @@ def abstract(tree, shardings):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), tree)
 
 
-def compile(fn, abstract_args, target: Target | None = None, mesh: Mesh | None = None):
+# libtpu's compile options that keep every buffer in HBM: memory-space assignment off, so
+# nothing is staged in the chip's on-chip memory (VMEM). The cost analysis counts a staged
+# operand three times or more (the copy's read, the copy's output, the consumer's read of it):
+# a [128, 896] x [896, 4864] product is charged 4.0x its bytes as compiled and 1.0x without
+# staging (scripts/cost_accounting.py --tpu). Without staging every byte the analysis counts
+# is read from or written to HBM; staging moves reads of HBM to a prefetch of the same bytes,
+# so the unstaged count is close to the HBM traffic (docs/performance.md, "What the compilers
+# count").
+HBM_ONLY = {"xla_msa_enable": False}
+
+
+def compile(
+    fn,
+    abstract_args,
+    target: Target | None = None,
+    mesh: Mesh | None = None,
+    compiler_options: dict | None = None,
+):
     """`fn` (a `jax.jit`-wrapped function) lowered for `abstract_args` and compiled: the
-    `jax.stages.Compiled`, with `memory_analysis()` (per device) and `cost_analysis()`.
+    `jax.stages.Compiled`, with `memory_analysis()` (per device) and `cost_analysis()`;
+    `compiler_options` go to the compiler (e.g. `HBM_ONLY`).
 
     With `target`, leaves of `abstract_args` without a sharding are replicated over `mesh` (or,
     without one, the target's first chip), and a program larger than a chip's memory raises
@@ -258,9 +276,9 @@ def compile(fn, abstract_args, target: Target | None = None, mesh: Mesh | None =
         jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
         if mesh is None:
-            return fn.lower(*abstract_args).compile()
+            return fn.lower(*abstract_args).compile(compiler_options=compiler_options)
         with jax.set_mesh(mesh):
-            return fn.lower(*abstract_args).compile()
+            return fn.lower(*abstract_args).compile(compiler_options=compiler_options)
     except jax.errors.JaxRuntimeError as e:
         if target is None or "RESOURCE_EXHAUSTED" not in str(e):
             raise

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from jrl.run import benchmark, targets
+from jrl.run import benchmark, decode_report, targets
 
 NO_LIBTPU = targets.libtpu_version() is None
 needs_libtpu = pytest.mark.skipif(
@@ -119,6 +119,38 @@ def test_compiled_by_the_tpu_compiler_with_its_layouts():
     assert compiled.memory_analysis().argument_size_in_bytes == 4096
     on_cpu = targets.compile(jax.jit(lambda x: x * 2), (x,))
     assert on_cpu.memory_analysis().argument_size_in_bytes == 4000
+
+
+@needs_libtpu
+def test_without_staging_a_product_is_counted_once():
+    """[128, 896] x [896, 4864] in bfloat16, float32 out: 229,376 + 8,716,288 bytes read and
+    2,490,368 written. As compiled, the TPU compiler stages the weight in on-chip memory and its
+    analysis counts it in the copy, the copy's outputs and the product (4x); with
+    `targets.HBM_ONLY` each byte once."""
+    x = jax.ShapeDtypeStruct((128, 896), jax.numpy.bfloat16)
+    w = jax.ShapeDtypeStruct((896, 4864), jax.numpy.bfloat16)
+    product = jax.jit(lambda x, w: jax.numpy.dot(x, w, preferred_element_type=np.float32))
+    v5p = targets.parse("v5p-8")
+    needed = 128 * 896 * 2 + 896 * 4864 * 2 + 128 * 4864 * 4
+    staged = targets.compile(product, (x, w), v5p).cost_analysis()["bytes accessed"]
+    plain = targets.compile(product, (x, w), v5p, None, targets.HBM_ONLY)
+    assert plain.cost_analysis()["bytes accessed"] == needed
+    assert staged > 3 * needed
+
+
+@needs_libtpu
+def test_decode_report_for_a_tpu_counts_the_step_staged_and_unstaged():
+    v5p = targets.parse("v5p-8")
+    report = decode_report.decode_report(
+        tiny_config(),
+        compile_fn=lambda fn, args: targets.compile(fn, args, v5p),
+        unstaged_compile_fn=lambda fn, args: targets.compile(fn, args, v5p, None, targets.HBM_ONLY),
+    )
+    plain = report["unstaged"]
+    need = report["needed_bytes"]
+    assert 0 < plain["bytes"] <= report["bytes"]
+    assert plain["ratio"] == round(plain["bytes"] / need["total"], 3)
+    assert plain["ratio_to_shared_prompt"] == round(plain["bytes"] / need["total_shared_prompt"], 3)
 
 
 @needs_libtpu
