@@ -29,20 +29,28 @@ by this code. The grouped matmul (`MATMULS`, `ModelConfig.moe_matmul`):
     rematerialised (the backward keeps no expert's weights per step); rows of other groups are
     zeroed, so each row is one product as with ragged_dot. Work: (T x k + E x TILE) rows
     (skipping the steps past the last group with a `lax.cond` made the backward 4x slower);
-  * "capacity": not a grouped matmul but the whole SwiGLU MLP of the experts (`capacity_mlp`)
-    in passes: pass p takes positions p C .. p C + C - 1 of every expert's group (C =
-    `capacity_rows`, twice the mean group's size as a power of two, 8 to `TILE`) into one [E, C,
-    H] array and runs the three projections as batched products over E, so no expert's weights
-    are sliced out or copied; passes run while some group has rows left (a `while_loop`). Work:
-    E x C rows per pass, ceil(largest group / C) passes (balanced routing: one or two; all
-    tokens on one expert: E times the rows, the worst case). Its gradient is its own
-    (`jax.custom_vjp`): the same passes, each product differentiated, nothing kept per pass;
-  * "auto" (the default): "capacity" on CPU, "ragged" elsewhere.
+  * "capacity" and "chunks": not a grouped matmul but the whole SwiGLU MLP of the experts
+    (`expert_mlp`) in batches of C-row items, each batch one batched product over its items.
+    "capacity": batch p takes positions p C .. p C + C - 1 of every expert's group (C =
+    `capacity_rows`, twice the mean group's size as a power of two, 8 to `TILE`), so no
+    expert's weights are taken out, but every batch is E x C rows and there are ceil(largest
+    group / C) of them: E x the largest group in all (all tokens on one expert: E times the
+    rows). "chunks": each group cut into chunks of C rows (C = `chunk_rows`, the mean group's
+    size as a power of two, rounded down), E chunks a batch, each with its expert's weights
+    taken out (a copy of E experts' weights per batch): about T x k + E x C rows in all,
+    however unequal the groups. The batches run in a `while_loop` while any is left. The
+    gradient is its own (`jax.custom_vjp`): the same batches, each product differentiated,
+    nothing kept per batch;
+  * "auto" (the default): "chunks" on CPU, "ragged" elsewhere.
 On a 2-core CPU (H 256, I 512, 8 experts, top 2, float32, against a dense MLP of width 1024;
 two scratch benchmarks, each timing its variants alternately in one process, 2026-11-29): the
 MLP of a decode step's 128 tokens took 1.4-1.5 ms dense, 7.7 ms "tiled", 2.8 ms "capacity";
 forward and backward of 1,136 tokens (an update micro-batch) 19.4-19.9 ms dense, 67.9 ms
-"tiled", 36.5 ms "capacity" (C = 128; 35.9 ms with C = 64).
+"tiled", 36.5 ms "capacity" (C = 128; 35.9 ms with C = 64). In W2-MoE's update the routing is
+far from even: a thunk profile (scripts/thunk_profile.py) counted 7.5 "capacity" batches of
+C = 128 per layer and micro-batch, so its largest group held about 900 of the 2,272 pairs (a
+micro-batch is two groups of 8 samples of one prompt each); there "chunks" made the update 0.59x
+as long as "capacity", the rollout 1.03x (docs/performance.md, "Mixture of experts").
 
 Expert parallelism (`dispatch`, which the block calls): where the mesh in context has an
 "expert" axis (jrl/partitioning.py) of size ep > 1 dividing E, each device holds E / ep experts
@@ -153,36 +161,72 @@ def _tiled(x_MK, w_GKN, group_sizes_G, out_dtype):
 
 
 def capacity_rows(m: int, groups: int) -> int:
-    """Rows per expert in one pass of `capacity_mlp` for m rows in `groups` groups: twice the
-    mean group's size rounded up to a power of two, 8 to `TILE`."""
+    """Rows per expert in one pass of "capacity" (`expert_mlp`) for m rows in `groups` groups:
+    twice the mean group's size rounded up to a power of two, 8 to `TILE`."""
     mean = -(-m // max(groups, 1))
     return min(TILE, max(8, 1 << (2 * mean - 1).bit_length()))
 
 
-def _pass_rows(starts_E, sizes_E, p, c: int):
-    """Pass p's rows: [E, C] row indices (positions p C .. p C + C - 1 of each group) and
-    whether each is in its group."""
-    position = p * c + jnp.arange(c)
-    return starts_E[:, None] + position, position < sizes_E[:, None]
+def chunk_rows(m: int, groups: int) -> int:
+    """Rows per chunk of "chunks" (`expert_mlp`) for m rows in `groups` groups: the mean group's
+    size rounded down to a power of two, 8 to `TILE` (so the groups' padding to whole chunks,
+    at most one chunk each, adds at most about m rows)."""
+    mean = max(m // max(groups, 1), 1)
+    return min(TILE, max(8, 1 << (mean.bit_length() - 1)))
 
 
-def _swiglu(act, dtype, decode, x_ECH, gate, up, down):
-    """The experts' MLP on each expert's [C, H] rows at once (a batched product over E: no
-    expert's weights are sliced out); products in float32 when `decode`."""
+def _batches(kind: str, c: int, starts_E, sizes_E):
+    """(how many batches, batch(b) -> (experts [N] int32 or None, rows [N, C], in_group [N, C]))
+    of `expert_mlp`: batch b's N items, each C consecutive rows of one expert's group (row
+    indices, and whether each is in the group), with the item's expert (None: item e is expert
+    e's, all E of them in order)."""
+    n = sizes_E.shape[0]
+    if kind == "capacity":  # batch p: positions p C .. p C + C - 1 of every group
+        passes = (jnp.max(sizes_E) + c - 1) // c
+
+        def batch(p):
+            position = p * c + jnp.arange(c)
+            return None, starts_E[:, None] + position, position < sizes_E[:, None]
+
+        return passes, batch
+    # "chunks": each group cut into chunks of C rows (the last one short), the chunks of all
+    # groups in a row, E of them per batch
+    chunks = (sizes_E + c - 1) // c
+    ends = jnp.cumsum(chunks)
+
+    def batch(b):
+        item = b * n + jnp.arange(n)
+        expert = jnp.minimum(jnp.searchsorted(ends, item, side="right"), n - 1).astype(jnp.int32)
+        position = (item - ends[expert] + chunks[expert])[:, None] * c + jnp.arange(c)
+        live = (item < ends[-1])[:, None] & (position < sizes_E[expert][:, None])
+        return expert, starts_E[expert][:, None] + position, live
+
+    return (ends[-1] + n - 1) // n, batch
+
+
+def _swiglu(act, dtype, decode, x_NCH, gate, up, down):
+    """The experts' MLP on each item's [C, H] rows at once (a batched product over the N items,
+    item i with weights gate[i], up[i], down[i]); products in float32 when `decode`."""
     acc = jnp.float32 if decode else dtype
     mm = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=acc).astype(dtype)
-    h = act(mm("ech,ehi->eci", x_ECH, gate)) * mm("ech,ehi->eci", x_ECH, up)
-    return mm("eci,eih->ech", h, down)
+    h = act(mm("nch,nhi->nci", x_NCH, gate)) * mm("nch,nhi->nci", x_NCH, up)
+    return mm("nci,nih->nch", h, down)
 
 
-def _gather_pass(x_MH, idx_EC, in_group_EC):
+def _gather_pass(x_MH, idx_NC, in_group_NC):
     m = x_MH.shape[0]
-    rows = jnp.take(x_MH, jnp.minimum(idx_EC, m - 1), axis=0)
-    return jnp.where(in_group_EC[..., None], rows, jnp.zeros((), x_MH.dtype))
+    rows = jnp.take(x_MH, jnp.minimum(idx_NC, m - 1), axis=0)
+    return jnp.where(in_group_NC[..., None], rows, jnp.zeros((), x_MH.dtype))
 
 
-def _add_pass(y_MH, idx_EC, in_group_EC, out_ECH):
-    return y_MH.at[jnp.where(in_group_EC, idx_EC, y_MH.shape[0])].add(out_ECH, mode="drop")
+def _add_pass(y_MH, idx_NC, in_group_NC, out_NCH):
+    return y_MH.at[jnp.where(in_group_NC, idx_NC, y_MH.shape[0])].add(out_NCH, mode="drop")
+
+
+def _items_weights(experts_N, weights):
+    """The weights of a batch's items: the stacked [E, ..] arrays as they are (experts None),
+    else each item's expert's taken out."""
+    return weights if experts_N is None else tuple(jnp.take(w, experts_N, axis=0) for w in weights)
 
 
 def _zeros_like(a, *like):
@@ -194,69 +238,79 @@ def _zeros_like(a, *like):
     return z
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def capacity_mlp(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def expert_mlp(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
     """The experts' SwiGLU MLP of rows x [M, H] sorted into E consecutive groups (group e: the
     sizes[e] rows from starts[e]) with each group's weights: [M, H] in `dtype` (rows past the
-    groups: 0). Pass p multiplies positions p C .. p C + C - 1 of every group as one batched
-    [E, C, H] product; the passes run while some group has rows left (ceil(max size / C) of
-    them). Its gradient is its own: the same passes, each one's product
-    differentiated (`jax.vjp`), the rows' gradients added to theirs and the weights' summed."""
+    groups: 0), in batches of C-row items run as one batched product each (`_batches`):
+      * "capacity": batch p holds positions p C .. p C + C - 1 of every group, ceil(max size /
+        C) batches; no expert's weights are taken out, but every batch computes E x C rows,
+        E x (the largest group) in all;
+      * "chunks": the groups cut into chunks of C rows, E chunks a batch, each with its
+        expert's weights taken out; ceil(sum of ceil(size / C) / E) batches, about M + E x C
+        rows in all, however unequal the groups.
+    The batches run in a `while_loop` while any is left. Its gradient is its own: the same
+    batches, each one's product differentiated (`jax.vjp`), the rows' gradients added to
+    theirs and the weights' summed into their experts'."""
     fn = functools.partial(_swiglu, act, dtype, decode)
-    passes = (jnp.max(sizes_E) + c - 1) // c
+    batches, batch = _batches(kind, c, starts_E, sizes_E)
 
-    def one_pass(state):
-        p, y = state
-        idx, in_group = _pass_rows(starts_E, sizes_E, p, c)
-        out = fn(_gather_pass(x_MH, idx, in_group), gate, up, down)
-        return p + 1, _add_pass(y, idx, in_group, out)
+    def one(state):
+        b, y = state
+        experts, idx, in_group = batch(b)
+        w = _items_weights(experts, (gate, up, down))
+        return b + 1, _add_pass(y, idx, in_group, fn(_gather_pass(x_MH, idx, in_group), *w))
 
     y = _zeros_like(jnp.zeros((x_MH.shape[0], down.shape[2]), dtype), x_MH, gate, down, sizes_E)
-    return jax.lax.while_loop(lambda state: state[0] < passes, one_pass, (0, y))[1]
+    return jax.lax.while_loop(lambda state: state[0] < batches, one, (0, y))[1]
 
 
-def _capacity_mlp_fwd(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
-    y = capacity_mlp(act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E)
+def _expert_mlp_fwd(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E):
+    y = expert_mlp(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, sizes_E)
     return y, (x_MH, gate, up, down, starts_E, sizes_E)
 
 
-def _capacity_mlp_bwd(act, c, dtype, decode, residuals, dy_MH):
+def _expert_mlp_bwd(kind, act, c, dtype, decode, residuals, dy_MH):
     x_MH, gate, up, down, starts_E, sizes_E = residuals
     fn = functools.partial(_swiglu, act, dtype, decode)
-    passes = (jnp.max(sizes_E) + c - 1) // c
+    batches, batch = _batches(kind, c, starts_E, sizes_E)
 
-    def one_pass(state):
-        p, dx, *dw = state
-        idx, in_group = _pass_rows(starts_E, sizes_E, p, c)
-        _, vjp = jax.vjp(fn, _gather_pass(x_MH, idx, in_group), gate, up, down)
-        d_rows, *d_weights = vjp(_gather_pass(dy_MH.astype(dtype), idx, in_group))
-        dw = [a + b.astype(a.dtype) for a, b in zip(dw, d_weights)]
-        return p + 1, _add_pass(dx, idx, in_group, d_rows.astype(dx.dtype)), *dw
+    def one(state):
+        b, dx, *dw = state
+        experts, idx, in_group = batch(b)
+        w = _items_weights(experts, (gate, up, down))
+        _, vjp = jax.vjp(fn, _gather_pass(x_MH, idx, in_group), *w)
+        d_rows, *d_items = vjp(_gather_pass(dy_MH.astype(dtype), idx, in_group))
+        if experts is None:
+            dw = [a + g.astype(a.dtype) for a, g in zip(dw, d_items)]
+        else:
+            dw = [a.at[experts].add(g.astype(a.dtype)) for a, g in zip(dw, d_items)]
+        return b + 1, _add_pass(dx, idx, in_group, d_rows.astype(dx.dtype)), *dw
 
     like = (x_MH, dy_MH, gate, down, sizes_E)
     grads = [_zeros_like(a.astype(jnp.float32), *like) for a in (x_MH, gate, up, down)]
-    _, dx, *dw = jax.lax.while_loop(lambda state: state[0] < passes, one_pass, (0, *grads))
+    _, dx, *dw = jax.lax.while_loop(lambda state: state[0] < batches, one, (0, *grads))
     no_grad = tuple(np.zeros(a.shape, jax.dtypes.float0) for a in (starts_E, sizes_E))
     cast = lambda g, a: g.astype(a.dtype)
     return (cast(dx, x_MH), *(cast(g, w) for g, w in zip(dw, (gate, up, down))), *no_grad)
 
 
-capacity_mlp.defvjp(_capacity_mlp_fwd, _capacity_mlp_bwd)
+expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
 
 
 # Grouped matmuls by name (`ModelConfig.moe_matmul`; "auto": see `resolve_matmul`).
 MATMULS = Registry(
     "grouped matmul (model.moe_matmul)",
-    {"auto": None, "ragged": _ragged, "tiled": _tiled, "capacity": None},
+    {"auto": None, "ragged": _ragged, "tiled": _tiled, "capacity": None, "chunks": None},
 )
 
 
 def resolve_matmul(name: str, backend: str | None = None) -> str:
-    """The grouped matmul `name` runs: itself, or for "auto" "capacity" on CPU, else "ragged"."""
+    """The grouped matmul `name` runs: itself, or for "auto" "chunks" on CPU, else "ragged"."""
     MATMULS.get(name)
     if name != "auto":
         return name
-    return "capacity" if (backend or jax.default_backend()) == "cpu" else "ragged"
+    return "chunks" if (backend or jax.default_backend()) == "cpu" else "ragged"
 
 
 def grouped_matmul(
@@ -300,11 +354,12 @@ def experts_forward(
     order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
     rows = jnp.take(x_TH.astype(dtype), order // k, axis=0)  # [T*k, H]
-    if resolve_matmul(implementation) == "capacity":
-        c = capacity_rows(t * k, num_experts)
+    kind = resolve_matmul(implementation)
+    if kind in ("capacity", "chunks"):
+        c = (capacity_rows if kind == "capacity" else chunk_rows)(t * k, num_experts)
         starts = jnp.cumsum(sizes) - sizes
         weights = (gate_EHI.astype(dtype), up_EHI.astype(dtype), down_EIH.astype(dtype))
-        out = capacity_mlp(act, c, jnp.dtype(dtype), decode, rows, *weights, starts, sizes)
+        out = expert_mlp(kind, act, c, jnp.dtype(dtype), decode, rows, *weights, starts, sizes)
     else:
         mm = lambda a, w: grouped_matmul(a, w, sizes, dtype, decode, implementation)
         h = act(mm(rows, gate_EHI)) * mm(rows, up_EHI)

@@ -62,13 +62,14 @@ def _expert_weights(e=4, h=6, i=5, seed=0):
 EXPERTS = np.array([[0, 1], [1, 0], [3, 1], [0, 3], [1, 0], [3, 0], [0, 1]], np.int32)
 
 
-@pytest.mark.parametrize("implementation", ["ragged", "tiled", "capacity"])
+@pytest.mark.parametrize("implementation", ["ragged", "tiled", "capacity", "chunks"])
 def test_dispatch_equals_a_loop_over_each_tokens_experts_and_so_do_its_gradients(
     implementation, monkeypatch
 ):
     """The sorted rows in groups of 6, 5, 0 and 3; "tiled" in tiles of 4 rows, so groups start
     and end inside tiles and a tile holds two groups; "capacity" in passes of 4 rows per
-    expert, so two passes, the second with rows of two groups only."""
+    expert, so two passes, the second with rows of two groups only; "chunks" in chunks of 4
+    rows, 2 + 2 + 0 + 1 of them, so a batch of 4 and one of a single chunk and 3 empty items."""
     monkeypatch.setattr(moe, "TILE", 4)
     gate, up, down = _expert_weights()
     rng = np.random.default_rng(1)
@@ -91,6 +92,16 @@ def test_dispatch_equals_a_loop_over_each_tokens_experts_and_so_do_its_gradients
         assert np.isfinite(np.asarray(a)).all(), name
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
     assert not np.asarray(ours[2][2]).any()  # the expert no token reached: no gradient
+
+
+def test_rows_per_item_of_the_expert_mlp():
+    # "capacity": twice the mean group, rounded up to a power of two; "chunks": the mean group,
+    # rounded down; both 8 to TILE (128). W2-MoE: 256 pairs in a decode step, 2,272 in an update
+    # micro-batch, 8 experts.
+    assert [moe.capacity_rows(m, 8) for m in (10, 256, 2272)] == [8, 64, 128]
+    assert [moe.chunk_rows(m, 8) for m in (10, 256, 2272, 1000)] == [8, 32, 128, 64]
+    assert moe.resolve_matmul("auto", "cpu") == "chunks"
+    assert moe.resolve_matmul("auto", "gpu") == moe.resolve_matmul("auto", "tpu") == "ragged"
 
 
 def test_route_takes_the_top_k_of_the_softmax_and_renormalises_on_request():
@@ -265,7 +276,7 @@ def test_logits_and_load_balancing_loss_match_transformers(loaded, name):
     assert cfg.sparse_layers() == kinds[name]
     assert cfg.norm_topk_prob == (name != "qwen3_moe")
     assert (cfg.router_aux_loss_coef, cfg.output_router_logits) == (0.001, False)
-    # jax.lax.ragged_dot gives them too ("auto" is "tiled" on CPU)
+    # jax.lax.ragged_dot gives them too ("auto" is "chunks" on CPU)
     ragged = dataclasses.replace(cfg, moe_matmul="ragged")
     got = np.asarray(tfm.forward(ragged, params, jnp.asarray(IDS), jnp.asarray(MASK)))
     np.testing.assert_allclose(got[REAL], want[REAL], atol=1e-4, rtol=0)
