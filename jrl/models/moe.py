@@ -36,9 +36,10 @@ by this code. The grouped matmul (`MATMULS`, `ModelConfig.moe_matmul`):
     expert's weights are taken out, but every batch is E x C rows and there are ceil(largest
     group / C) of them: E x the largest group in all (all tokens on one expert: E times the
     rows). "chunks": each group cut into chunks of C rows (C = `chunk_rows`, the mean group's
-    size as a power of two, rounded down), E chunks a batch, each with its expert's weights
-    taken out (a copy of E experts' weights per batch): about T x k + E x C rows in all,
-    however unequal the groups. The batches run in a `while_loop` while any is left. The
+    size as a power of two, rounded down); the first chunk of every group is one batch in
+    expert order (weights used in place), the other chunks go E / 2 a batch, each with its
+    expert's weights taken out (a copy): about T x k + E x C rows in all, however unequal the
+    groups. The batches run in a `while_loop` while any is left. The
     gradient is its own (`jax.custom_vjp`): the same batches, each product differentiated,
     nothing kept per batch;
   * "auto" (the default): "chunks" on CPU, "ragged" elsewhere.
@@ -49,8 +50,8 @@ forward and backward of 1,136 tokens (an update micro-batch) 19.4-19.9 ms dense,
 "tiled", 36.5 ms "capacity" (C = 128; 35.9 ms with C = 64). In W2-MoE's update the routing is
 far from even: a thunk profile (scripts/thunk_profile.py) counted 7.5 "capacity" batches of
 C = 128 per layer and micro-batch, so its largest group held about 900 of the 2,272 pairs (a
-micro-batch is two groups of 8 samples of one prompt each); there "chunks" made the update 0.59x
-as long as "capacity", the rollout 1.03x (docs/performance.md, "Mixture of experts").
+micro-batch is two groups of 8 samples of one prompt each); there "chunks" made the update 0.52x
+as long as "capacity", the rollout 0.91x (docs/performance.md, "Mixture of experts").
 
 Expert parallelism (`dispatch`, which the block calls): where the mesh in context has an
 "expert" axis (jrl/partitioning.py) of size ep > 1 dividing E, each device holds E / ep experts
@@ -176,10 +177,11 @@ def chunk_rows(m: int, groups: int) -> int:
 
 
 def _batches(kind: str, c: int, starts_E, sizes_E):
-    """(how many batches, batch(b) -> (experts [N] int32 or None, rows [N, C], in_group [N, C]))
-    of `expert_mlp`: batch b's N items, each C consecutive rows of one expert's group (row
-    indices, and whether each is in the group), with the item's expert (None: item e is expert
-    e's, all E of them in order)."""
+    """(first, how many batches, batch(b)) of `expert_mlp`: `first` (None for "capacity") and
+    each batch(b) give (experts [N] int32 or None, rows [N, C], in_group [N, C]): N items, each
+    C consecutive rows of one expert's group (row indices, and whether each is in the group),
+    with the item's expert (None: item e is expert e's, all E of them in order, whose weights
+    are used in place)."""
     n = sizes_E.shape[0]
     if kind == "capacity":  # batch p: positions p C .. p C + C - 1 of every group
         passes = (jnp.max(sizes_E) + c - 1) // c
@@ -188,20 +190,25 @@ def _batches(kind: str, c: int, starts_E, sizes_E):
             position = p * c + jnp.arange(c)
             return None, starts_E[:, None] + position, position < sizes_E[:, None]
 
-        return passes, batch
-    # "chunks": each group cut into chunks of C rows (the last one short), the chunks of all
-    # groups in a row, E of them per batch
-    chunks = (sizes_E + c - 1) // c
-    ends = jnp.cumsum(chunks)
+        return None, passes, batch
+    # "chunks": each group cut into chunks of C rows (the last one short). `first` holds every
+    # group's first chunk, in expert order (no weights taken out); the batches the rest, N = E / 2
+    # chunks each, with their experts' weights taken out.
+    position = jnp.arange(c)
+    first = (None, starts_E[:, None] + position, position < sizes_E[:, None])
+    more = jnp.maximum((sizes_E + c - 1) // c - 1, 0)  # each group's chunks after its first
+    ends = jnp.cumsum(more)
+    per_batch = max(n // 2, 1)
 
     def batch(b):
-        item = b * n + jnp.arange(n)
+        item = b * per_batch + jnp.arange(per_batch)
         expert = jnp.minimum(jnp.searchsorted(ends, item, side="right"), n - 1).astype(jnp.int32)
-        position = (item - ends[expert] + chunks[expert])[:, None] * c + jnp.arange(c)
+        chunk = item - ends[expert] + more[expert] + 1  # the first chunk is `first`'s
+        position = chunk[:, None] * c + jnp.arange(c)
         live = (item < ends[-1])[:, None] & (position < sizes_E[expert][:, None])
         return expert, starts_E[expert][:, None] + position, live
 
-    return (ends[-1] + n - 1) // n, batch
+    return first, (ends[-1] + per_batch - 1) // per_batch, batch
 
 
 def _swiglu(act, dtype, decode, x_NCH, gate, up, down):
@@ -246,22 +253,23 @@ def expert_mlp(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, size
       * "capacity": batch p holds positions p C .. p C + C - 1 of every group, ceil(max size /
         C) batches; no expert's weights are taken out, but every batch computes E x C rows,
         E x (the largest group) in all;
-      * "chunks": the groups cut into chunks of C rows, E chunks a batch, each with its
-        expert's weights taken out; ceil(sum of ceil(size / C) / E) batches, about M + E x C
-        rows in all, however unequal the groups.
-    The batches run in a `while_loop` while any is left. Its gradient is its own: the same
-    batches, each one's product differentiated (`jax.vjp`), the rows' gradients added to
-    theirs and the weights' summed into their experts'."""
+      * "chunks": the groups cut into chunks of C rows; every group's first chunk in one batch
+        with the weights in place, the rest E / 2 a batch, each with its expert's weights
+        taken out; about M + E x C rows in all, however unequal the groups.
+    The batches run in a `while_loop` while any is left (after "chunks"' first one). Its
+    gradient is its own: the same batches, each one's product differentiated (`jax.vjp`), the
+    rows' gradients added to theirs and the weights' summed into their experts'."""
     fn = functools.partial(_swiglu, act, dtype, decode)
-    batches, batch = _batches(kind, c, starts_E, sizes_E)
+    first, batches, batch = _batches(kind, c, starts_E, sizes_E)
 
-    def one(state):
-        b, y = state
-        experts, idx, in_group = batch(b)
+    def apply(y, experts, idx, in_group):
         w = _items_weights(experts, (gate, up, down))
-        return b + 1, _add_pass(y, idx, in_group, fn(_gather_pass(x_MH, idx, in_group), *w))
+        return _add_pass(y, idx, in_group, fn(_gather_pass(x_MH, idx, in_group), *w))
 
     y = _zeros_like(jnp.zeros((x_MH.shape[0], down.shape[2]), dtype), x_MH, gate, down, sizes_E)
+    if first is not None:
+        y = apply(y, *first)
+    one = lambda state: (state[0] + 1, apply(state[1], *batch(state[0])))
     return jax.lax.while_loop(lambda state: state[0] < batches, one, (0, y))[1]
 
 
@@ -273,11 +281,10 @@ def _expert_mlp_fwd(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E,
 def _expert_mlp_bwd(kind, act, c, dtype, decode, residuals, dy_MH):
     x_MH, gate, up, down, starts_E, sizes_E = residuals
     fn = functools.partial(_swiglu, act, dtype, decode)
-    batches, batch = _batches(kind, c, starts_E, sizes_E)
+    first, batches, batch = _batches(kind, c, starts_E, sizes_E)
 
-    def one(state):
-        b, dx, *dw = state
-        experts, idx, in_group = batch(b)
+    def apply(grads, experts, idx, in_group):
+        dx, *dw = grads
         w = _items_weights(experts, (gate, up, down))
         _, vjp = jax.vjp(fn, _gather_pass(x_MH, idx, in_group), *w)
         d_rows, *d_items = vjp(_gather_pass(dy_MH.astype(dtype), idx, in_group))
@@ -285,10 +292,13 @@ def _expert_mlp_bwd(kind, act, c, dtype, decode, residuals, dy_MH):
             dw = [a + g.astype(a.dtype) for a, g in zip(dw, d_items)]
         else:
             dw = [a.at[experts].add(g.astype(a.dtype)) for a, g in zip(dw, d_items)]
-        return b + 1, _add_pass(dx, idx, in_group, d_rows.astype(dx.dtype)), *dw
+        return _add_pass(dx, idx, in_group, d_rows.astype(dx.dtype)), *dw
 
     like = (x_MH, dy_MH, gate, down, sizes_E)
-    grads = [_zeros_like(a.astype(jnp.float32), *like) for a in (x_MH, gate, up, down)]
+    grads = tuple(_zeros_like(a.astype(jnp.float32), *like) for a in (x_MH, gate, up, down))
+    if first is not None:
+        grads = apply(grads, *first)
+    one = lambda state: (state[0] + 1, *apply(state[1:], *batch(state[0])))
     _, dx, *dw = jax.lax.while_loop(lambda state: state[0] < batches, one, (0, *grads))
     no_grad = tuple(np.zeros(a.shape, jax.dtypes.float0) for a in (starts_E, sizes_E))
     cast = lambda g, a: g.astype(a.dtype)

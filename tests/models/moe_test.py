@@ -69,7 +69,8 @@ def test_dispatch_equals_a_loop_over_each_tokens_experts_and_so_do_its_gradients
     """The sorted rows in groups of 6, 5, 0 and 3; "tiled" in tiles of 4 rows, so groups start
     and end inside tiles and a tile holds two groups; "capacity" in passes of 4 rows per
     expert, so two passes, the second with rows of two groups only; "chunks" in chunks of 4
-    rows, 2 + 2 + 0 + 1 of them, so a batch of 4 and one of a single chunk and 3 empty items."""
+    rows: every group's first chunk together (group 2's empty), then the second chunks of
+    groups 0 and 1 as one batch of E / 2 = 2 items, each with its expert's weights taken out."""
     monkeypatch.setattr(moe, "TILE", 4)
     gate, up, down = _expert_weights()
     rng = np.random.default_rng(1)
