@@ -95,6 +95,37 @@ def test_dispatch_equals_a_loop_over_each_tokens_experts_and_so_do_its_gradients
     assert not np.asarray(ours[2][2]).any()  # the expert no token reached: no gradient
 
 
+@pytest.mark.parametrize("implementation", ["capacity", "chunks"])
+def test_crowded_groups_and_their_gradients(implementation, monkeypatch):
+    """Expert 0 gets 12 of 24 pairs, expert 1 9, expert 3 3, expert 2 none ("capacity": three
+    passes of 4 rows per expert). Chunks of 4 rows
+    (TILE 4): the first chunks hold 4 + 4 + 0 + 3 rows, then 2 + 2 more chunks (expert 1's last
+    one row) in two loop batches of E / 2 = 2; output and gradients against the pair-by-pair
+    references."""
+    monkeypatch.setattr(moe, "TILE", 4)
+    experts = np.array([[0, 1]] * 9 + [[0, 3]] * 2 + [[3, 0]], np.int32)
+    assert np.bincount(experts.ravel(), minlength=4).tolist() == [12, 9, 0, 3]
+    gate, up, down = _expert_weights(seed=2)
+    rng = np.random.default_rng(3)
+    t = experts.shape[0]
+    x = jnp.asarray(rng.standard_normal((t, 6)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, 2)), jnp.float32)
+    run = lambda *a: moe.experts_forward(
+        a[0], jnp.asarray(experts), a[1], *a[2:], silu, jnp.float32, implementation=implementation
+    )
+    y = run(x, weights, gate, up, down)
+    np.testing.assert_allclose(
+        y, _naive(x, experts, np.asarray(weights), gate, up, down), atol=1e-5
+    )
+    cot = jnp.asarray(rng.standard_normal((t, 6)), jnp.float32)
+    ours = jax.grad(lambda *a: jnp.sum(run(*a) * cot), argnums=range(5))(x, weights, gate, up, down)
+    ref = jax.grad(
+        lambda *a: jnp.sum(_gathered(a[0], jnp.asarray(experts), *a[1:]) * cot), argnums=range(5)
+    )(x, weights, gate, up, down)
+    for name, a, b in zip(("x", "weights", "gate", "up", "down"), ours, ref):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
+
+
 def test_rows_per_item_of_the_expert_mlp():
     # "capacity": twice the mean group, rounded up to a power of two; "chunks": the mean group,
     # rounded down; both 8 to TILE (128). W2-MoE: 256 pairs in a decode step, 2,272 in an update
