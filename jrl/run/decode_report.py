@@ -368,13 +368,9 @@ def decode_report(
     t = time.perf_counter()
     compiled = compile_fn(jax.jit(step, donate_argnums=2), args)
     compile_s = time.perf_counter() - t
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
+    cost = _cost(compiled)
     sampler_fn, sampler_args = _sampler_program(shape, greedy)
-    sampler = compile_fn(jax.jit(sampler_fn), sampler_args).cost_analysis()
-    if isinstance(sampler, (list, tuple)):
-        sampler = sampler[0]
+    sampler = _cost(compile_fn(jax.jit(sampler_fn), sampler_args))
     nbytes, flops = float(cost["bytes accessed"]), float(cost["flops"])
     need = needed_bytes(shape, fill)
     ops = count_ops(_computations(compiled.as_text())["ENTRY"])
@@ -403,11 +399,8 @@ def decode_report(
         "roofline_tokens_per_s_needed": roofline(shape.rows, need["total"]),
     }
     if unstaged_compile_fn is not None:
-        plain = unstaged_compile_fn(jax.jit(step, donate_argnums=2), args).cost_analysis()
-        plain_sampler = unstaged_compile_fn(jax.jit(sampler_fn), sampler_args).cost_analysis()
-        plain, plain_sampler = (
-            c[0] if isinstance(c, (list, tuple)) else c for c in (plain, plain_sampler)
-        )
+        plain = _cost(unstaged_compile_fn(jax.jit(step, donate_argnums=2), args))
+        plain_sampler = _cost(unstaged_compile_fn(jax.jit(sampler_fn), sampler_args))
         unstaged = float(plain["bytes accessed"])
         out["unstaged"] = {
             "bytes": int(unstaged),
@@ -428,6 +421,12 @@ def decode_report(
             best = roofline(shape.rows, need["total"])[chip]
             out["timing"]["share_of_needed_roofline"] = round(timed["tokens_per_s"] / best, 3)
     return out
+
+
+def _cost(compiled) -> dict:
+    """A compiled program's cost analysis (some jax versions wrap it in a one-item list)."""
+    cost = compiled.cost_analysis()
+    return cost[0] if isinstance(cost, (list, tuple)) else cost
 
 
 def _device_kind(args) -> str:
