@@ -177,25 +177,22 @@ def chunk_rows(m: int, groups: int) -> int:
 
 
 def _batches(kind: str, c: int, starts_E, sizes_E):
-    """(first, how many batches, batch(b)) of `expert_mlp`: `first` (None for "capacity") and
-    each batch(b) give (experts [N] int32 or None, rows [N, C], in_group [N, C]): N items, each
-    C consecutive rows of one expert's group (row indices, and whether each is in the group),
+    """(first, how many batches, batch(b)) of `expert_mlp`: `first` is positions 0 .. C - 1 of
+    every group (the first pass of "capacity", the first chunks of "chunks"); it and each
+    batch(b) give (experts [N] int32 or None, rows [N, C], in_group [N, C]): N items, each C
+    consecutive rows of one expert's group (row indices, and whether each is in the group),
     with the item's expert (None: item e is expert e's, all E of them in order, whose weights
     are used in place)."""
     n = sizes_E.shape[0]
-    if kind == "capacity":  # batch p: positions p C .. p C + C - 1 of every group
-        passes = (jnp.max(sizes_E) + c - 1) // c
 
-        def batch(p):
-            position = p * c + jnp.arange(c)
-            return None, starts_E[:, None] + position, position < sizes_E[:, None]
+    def positions(p):  # positions p C .. p C + C - 1 of every group
+        position = p * c + jnp.arange(c)
+        return None, starts_E[:, None] + position, position < sizes_E[:, None]
 
-        return None, passes, batch
-    # "chunks": each group cut into chunks of C rows (the last one short). `first` holds every
-    # group's first chunk, in expert order (no weights taken out); the batches the rest, N = E / 2
-    # chunks each, with their experts' weights taken out.
-    position = jnp.arange(c)
-    first = (None, starts_E[:, None] + position, position < sizes_E[:, None])
+    if kind == "capacity":  # then pass b + 1 while some group has rows left
+        return positions(0), (jnp.max(sizes_E) + c - 1) // c - 1, lambda b: positions(b + 1)
+    # "chunks": each group cut into chunks of C rows (the last one short); after the first ones,
+    # N = E / 2 chunks a batch, with their experts' weights taken out
     more = jnp.maximum((sizes_E + c - 1) // c - 1, 0)  # each group's chunks after its first
     ends = jnp.cumsum(more)
     per_batch = max(n // 2, 1)
@@ -208,7 +205,7 @@ def _batches(kind: str, c: int, starts_E, sizes_E):
         live = (item < ends[-1])[:, None] & (position < sizes_E[expert][:, None])
         return expert, starts_E[expert][:, None] + position, live
 
-    return first, (ends[-1] + per_batch - 1) // per_batch, batch
+    return positions(0), (ends[-1] + per_batch - 1) // per_batch, batch
 
 
 def _swiglu(act, dtype, decode, x_NCH, gate, up, down):
@@ -256,7 +253,7 @@ def expert_mlp(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, size
       * "chunks": the groups cut into chunks of C rows; every group's first chunk in one batch
         with the weights in place, the rest E / 2 a batch, each with its expert's weights
         taken out; about M + E x C rows in all, however unequal the groups.
-    The batches run in a `while_loop` while any is left (after "chunks"' first one). Its
+    The first batch runs, then the rest in a `while_loop` while any is left. Its
     gradient is its own: the same batches, each one's product differentiated (`jax.vjp`), the
     rows' gradients added to theirs and the weights' summed into their experts'."""
     fn = functools.partial(_swiglu, act, dtype, decode)
@@ -267,8 +264,7 @@ def expert_mlp(kind, act, c, dtype, decode, x_MH, gate, up, down, starts_E, size
         return _add_pass(y, idx, in_group, fn(_gather_pass(x_MH, idx, in_group), *w))
 
     y = _zeros_like(jnp.zeros((x_MH.shape[0], down.shape[2]), dtype), x_MH, gate, down, sizes_E)
-    if first is not None:
-        y = apply(y, *first)
+    y = apply(y, *first)
     one = lambda state: (state[0] + 1, apply(state[1], *batch(state[0])))
     return jax.lax.while_loop(lambda state: state[0] < batches, one, (0, y))[1]
 
@@ -296,8 +292,7 @@ def _expert_mlp_bwd(kind, act, c, dtype, decode, residuals, dy_MH):
 
     like = (x_MH, dy_MH, gate, down, sizes_E)
     grads = tuple(_zeros_like(a.astype(jnp.float32), *like) for a in (x_MH, gate, up, down))
-    if first is not None:
-        grads = apply(grads, *first)
+    grads = apply(grads, *first)
     one = lambda state: (state[0] + 1, *apply(state[1:], *batch(state[0])))
     _, dx, *dw = jax.lax.while_loop(lambda state: state[0] < batches, one, (0, *grads))
     no_grad = tuple(np.zeros(a.shape, jax.dtypes.float0) for a in (starts_E, sizes_E))
