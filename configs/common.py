@@ -198,6 +198,7 @@ def _qwen3_30b_a3b(c):  # Qwen3-30B-A3B: 30.5B parameters, 3.35B active per toke
     c.model.num_experts = 128  # num_experts
     c.model.num_experts_per_tok = 8  # num_experts_per_tok
     c.model.moe_intermediate_size = 768  # moe_intermediate_size: each expert's SwiGLU width
+    c.model.scan_cached_layers = True  # the rollout's 48 layers compiled once, not 48 times
 
 
 def _qwen3_moe_small(c):  # a small Qwen3-MoE shape for benches (no such checkpoint): 1.0B

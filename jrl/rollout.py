@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jrl import partitioning
 from jrl import router_replay
 from jrl.models import attention, transformer
@@ -146,15 +148,19 @@ def _compact(rows: _Rows, size: int) -> _Rows:
     keep = jnp.argsort(rows.done.astype(jnp.int32), stable=True)[:size]  # live rows first
     index = keep if rows.index is None else rows.index[keep]
     # the rows leave their groups' order: each reads its prompt from its own cache from now on
-    cache = tuple({"k": layer["k"], "v": layer["v"]} for layer in rows.cache)
-    rows = rows._replace(index=None, cache=cache)
-    return jax.tree.map(lambda x: x[keep], rows)._replace(index=index)
+    cache = transformer.cache_rows(rows.cache, keep)
+    rows = rows._replace(index=None, cache=None)
+    return jax.tree.map(lambda x: x[keep], rows)._replace(index=index, cache=cache)
 
 
 def pin(cache):
     """Under a mesh (jax.set_mesh), the cache's rows follow the batch and its kv heads the tensor
-    axis, as the attention weights do; the decode loops keep that layout."""
-    return partitioning.constrain(cache, partitioning.CACHE_AXES)
+    axis, as the attention weights do; the decode loops keep that layout. (A stacked cache's
+    layers, `scan_cached_layers`, are not split.)"""
+    axes = partitioning.CACHE_AXES
+    if isinstance(cache, dict):
+        return partitioning.constrain(cache, P(None, *axes))
+    return partitioning.constrain(cache, axes)
 
 
 def prepare(model_cfg, params):
@@ -162,7 +168,8 @@ def prepare(model_cfg, params):
     layers split, the matrices cast to the compute dtype (`transformer.unstack_layers`), the
     experts' LoRA adapters folded into their weights (`transformer.fold_expert_adapters`)."""
     params = transformer.fold_expert_adapters(model_cfg, params)
-    return transformer.variables(transformer.unstack_layers(model_cfg, params))
+    split = not model_cfg.scan_cached_layers  # a scan over the layers reads the stack
+    return transformer.variables(transformer.unstack_layers(model_cfg, params, split=split))
 
 
 def start(model_cfg, variables, prompt_ids_BP, prompt_mask_BP, samples: int, opts: Options):

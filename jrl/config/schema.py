@@ -83,6 +83,9 @@ def _model(c: ml_collections.ConfigDict) -> None:
     c.model.attention = "auto"
     c.model.attention_block_size = 512  # query positions per block of blockwise attention
     c.model.logits_chunk_size = 0  # positions per log-prob chunk (no [rows, L, vocab]); 0: one
+    # Rollout (prefill, decode) and grouped forwards as one scan over the layers and a stacked KV
+    # cache: one layer to compile instead of each (deep models); off: layer by layer (faster on CPU)
+    c.model.scan_cached_layers = False
     # Forward a group's prompt once for its n responses in the scoring forwards, and in the update
     # when it has one mini-batch per epoch; where rows are short (attention "xla"), no remat
     # (jrl.batching.prompt_groups):
@@ -414,6 +417,7 @@ RESUME_SAFE_FIELDS = (
     "model.attention",
     "model.attention_block_size",
     "model.logits_chunk_size",
+    "model.scan_cached_layers",
     "model.shared_prompt_forward",
     "model.response_buckets",
     "*.ppo_micro_batch_size_per_device",

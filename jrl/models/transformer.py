@@ -120,7 +120,14 @@ REMAT_POLICIES = Registry(
 )
 
 # Fields of ModelConfig that choose how the model is computed, not what it computes.
-COMPUTE_FIELDS = ("dtype", "remat", "attention", "attention_block_size", "logits_chunk_size")
+COMPUTE_FIELDS = (
+    "dtype",
+    "remat",
+    "attention",
+    "attention_block_size",
+    "logits_chunk_size",
+    "scan_cached_layers",
+)
 
 # RoPE frequency scalings by their Hugging Face `rope_type`: f(inverse frequencies, cfg).
 ROPE_SCALINGS = Registry(
@@ -191,6 +198,10 @@ class ModelConfig:
     # decode attention over the KV cache (jrl.models.attention.DECODE_IMPLEMENTATIONS)
     decode_attention: str = "blockwise"
     logits_chunk_size: int = 0  # positions per log-prob / entropy chunk; 0: all at once
+    # the forwards with a KV cache (prefill, decode, the grouped forward) run the layers as one
+    # scan over a stacked cache [layers, B, K, S, D] (one layer traced: compile time and memory
+    # of deep models); False: layer by layer, each with its own cache (faster on XLA:CPU)
+    scan_cached_layers: bool = False
     # the experts' grouped matmul (jrl.models.moe.MATMULS); not a run config field yet
     moe_matmul: str = "auto"
 
@@ -426,15 +437,30 @@ def sliding_window_mask(window: int, query_len: int, key_len: int, cache_index=N
     return jnp.arange(key_len)[None, :] > q_slot[:, None] - window
 
 
-def write_cache_rows(cache_BKSD, x_BLKD, start_B):
+def write_cache_rows(cache_BKSD, x_BLKD, start_B, layer=None):
     """The cache [B, K, S, D] with row b's L new keys or values written at slots start_B[b] ..
     start_B[b] + L - 1; slots at or past S are dropped, so a row given start S is left unchanged
-    (the multi-turn rollout's per-row write offsets and masked writes)."""
+    (the multi-turn rollout's per-row write offsets and masked writes). With `layer`: the
+    stacked cache [layers, B, K, S, D] (`ModelConfig.scan_cached_layers`), written in that
+    layer's entry."""
     b, l = x_BLKD.shape[:2]
     slots = start_B[:, None] + jnp.arange(l)[None]  # [B, L]
     rows = jnp.arange(b)[:, None]
-    # advanced indices on axes 0 and 2 around a slice: the update is laid out [B, L, K, D]
-    return cache_BKSD.at[rows, :, slots, :].set(x_BLKD.astype(cache_BKSD.dtype), mode="drop")
+    # advanced indices around a slice: the update is laid out [B, L, K, D]
+    at = (rows, slice(None), slots) if layer is None else (layer, rows, slice(None), slots)
+    return cache_BKSD.at[at].set(x_BLKD.astype(cache_BKSD.dtype), mode="drop")
+
+
+def write_cache(cache, x_BLKD, index, layer=None):
+    """The cache [B, K, S, D] with the L new keys or values x [B, L, K, D] written from slot
+    `index` on: a scalar (every row; a dynamic-update-slice) or [B] (a slot per row,
+    `write_cache_rows`). With `layer`: the stacked cache [layers, B, K, S, D], that layer's."""
+    if jnp.ndim(index) == 1:  # a start slot per row [B]
+        return write_cache_rows(cache, x_BLKD, index, layer)
+    x = x_BLKD.astype(cache.dtype).transpose(0, 2, 1, 3)  # [B, K, L, D]
+    if layer is None:
+        return jax.lax.dynamic_update_slice(cache, x, (0, 0, index, 0))
+    return jax.lax.dynamic_update_slice(cache, x[None], (layer, 0, 0, index, 0))
 
 
 def _by_kind(cfg: ModelConfig, sliding, attend):
@@ -453,7 +479,9 @@ class Attention(nn.Module):
     decode: bool = False  # `product`'s: the rollout's forwards
 
     @nn.compact
-    def __call__(self, x_BLH, rope, mask_BLS, sliding, cache=None, cache_index=None):
+    def __call__(self, x_BLH, rope, mask_BLS, sliding, cache=None, cache_index=None, layer=None):
+        """`layer`: `cache` is the stacked cache of every layer (`ModelConfig.scan_cached_layers`)
+        and this layer's entry is the one written and read."""
         cfg = self.cfg
         n, k, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.hidden_size
         dt = jnp.dtype(cfg.dtype)
@@ -478,13 +506,11 @@ class Attention(nn.Module):
         v = proj("v_proj", k, "kv_heads")
         new_cache = None
         if cache is not None:  # head-major [B, K, S, D]: written at slot cache_index
-            write = lambda c, x: jax.lax.dynamic_update_slice(
-                c, x.astype(c.dtype).transpose(0, 2, 1, 3), (0, 0, cache_index, 0)
-            )
-            if jnp.ndim(cache_index) == 1:  # a start slot per row [B]
-                write = lambda c, x: write_cache_rows(c, x, cache_index)
-            kk, v = write(cache["k"], kk), write(cache["v"], v)
-            new_cache = {**cache, "k": kk, "v": v}  # a shared prompt's entries pass through
+            write = lambda c, x: write_cache(c, x, cache_index, layer)
+            new_cache = {**cache, "k": write(cache["k"], kk), "v": write(cache["v"], v)}
+            # a shared prompt's entries pass through; the layer's entries are read
+            cache = new_cache if layer is None else {n: c[layer] for n, c in new_cache.items()}
+            kk, v = cache["k"], cache["v"]
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
             attend = lambda window: attention_lib.causal_attention(
@@ -694,7 +720,9 @@ class Block(nn.Module):
     parameters in every layer (the stack is one tree), each layer using one: `nn.cond` picks
     it inside the scan over layers, as `_by_kind` does the attention.
     Returns (x, (the layer's updated KV cache or None, its `moe.Routing` or None)): the form of
-    a `scan` body over layers.
+    a `scan` body over layers. With `layer` (the scan over layers with a cache,
+    `ModelConfig.scan_cached_layers`) x comes as (x, the stacked cache) and goes out so, with
+    this layer's entry written: (x, cache), (None, routing).
     """
 
     cfg: ModelConfig
@@ -712,8 +740,11 @@ class Block(nn.Module):
         sparse=None,
         routing=None,
         token_mask=None,
+        layer=None,
     ):
         cfg = self.cfg
+        if layer is not None:
+            x, cache = x
         a, cache = Attention(cfg, self.decode, name="attn")(
             RMSNorm(cfg, name="input_norm")(x),
             rope,
@@ -721,6 +752,7 @@ class Block(nn.Module):
             sliding,
             cache,
             cache_index,
+            layer,
         )
         if cfg.sandwich_norms:
             a = RMSNorm(cfg, name="attn_out_norm")(a)
@@ -743,6 +775,8 @@ class Block(nn.Module):
                 m, routed = nn.cond(sparse, use_experts, use_dense, self, h)
         if cfg.sandwich_norms:
             m = RMSNorm(cfg, name="mlp_out_norm")(m)
+        if layer is not None:
+            return (_activation(x + m), cache), (None, routed)
         return _activation(x + m), (cache, routed)
 
 
@@ -788,7 +822,7 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(cfg.hidden_size**0.5, dt)
         sliding = np.array([cfg.is_sliding(i) for i in range(cfg.num_layers)])
         # positions lie before the end of the input, or of the cache when there is one
-        length = input_ids_BL.shape[1] if cache is None else cache[0]["k"].shape[2]
+        length = input_ids_BL.shape[1] if cache is None else cache_slots(cache)
         rope = rope_tables(cfg, positions_BL, length)
         policy = REMAT_POLICIES.get(cfg.remat)
         sparse = np.array([cfg.is_sparse(i) for i in range(cfg.num_layers)])
@@ -811,6 +845,21 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, (_, routed) = layers(cfg, name="layers")(*args)
+        elif cache is not None and cfg.scan_cached_layers:  # a scan over the stacked cache
+            ids = jnp.arange(cfg.num_layers)
+            args = (sliding, rope, mask_BLS, None, cache_index, sparse, routing, token_mask_BL, ids)
+            bc = nn.broadcast
+            layers = nn.scan(
+                Block,
+                variable_axes={"params": 0, "lora": 0},
+                split_rngs={"params": False},
+                in_axes=(0, bc, bc, bc, bc, 0 if cfg.num_experts else bc, 0, bc, 0),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            (x, cache), (_, routed) = layers(cfg, self.decode, name="layers")((x, cache), *args)
+            if not cfg.num_experts:
+                routed = None
         else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
             layers = self.variables["params"]["layers"]
             adapters = self.variables.get("lora", {}).get("layers")
@@ -859,7 +908,8 @@ class Transformer(nn.Module):
             layers_ = cfg.sparse_layers()
             if len(layers_) < cfg.num_layers:
                 routed = jax.tree.map(lambda a: a[np.array(layers_, int)], routed)
-        cache = None if cache is None else tuple(new_cache)
+        if cache is not None and not cfg.scan_cached_layers:
+            cache = tuple(new_cache)
         return Output(x, head, values, cache, routed if cfg.sparse_layers() else None)
 
 
@@ -875,24 +925,30 @@ def _layer_routing(cfg: ModelConfig, routing_S):
     return full.at[np.array(layers, int)].set(routing_S)
 
 
-def unstack_layers(cfg: ModelConfig, params, cast: bool = True):
+def unstack_layers(cfg: ModelConfig, params, cast: bool = True, split: bool = True):
     """`params` with the stacked blocks split into a list of per-layer trees, matrices (and the
     embedding / LM head) cast to the compute dtype with `cast` (1-D norm scales stay as
     stored). The rollout does this once, before its decode loop, so the loop reads each
     layer's weights where they lie, in the compute dtype, instead of slicing (and, on some
     backends, copying) them from the stack and casting them at every token. A LoRA
-    adapter tree (`params["lora"]["layers"]`, see `variables`) is split the same way."""
+    adapter tree (`params["lora"]["layers"]`, see `variables`) is split the same way. Without
+    `split` (the rollout's layers run as a scan, `cfg.scan_cached_layers`) the stack stays
+    whole, its matrices cast."""
     dt = jnp.dtype(cfg.dtype)
     layer = lambda a, i: a[i].astype(dt) if cast and a.ndim > 2 else a[i]
-    split = lambda stacked: [
+    split_ = lambda stacked: [
         jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)
     ]
-    out = {**params, "layers": split(params["layers"])}
+    if not split:  # [layers, ...]: matrices are 3-D and up
+        split_ = lambda stacked: jax.tree.map(
+            lambda a: a.astype(dt) if cast and a.ndim > 2 else a, stacked
+        )
+    out = {**params, "layers": split_(params["layers"])}
     for name in ("embed", "lm_head") if cast else ():  # the head is read at every token
         if name in params:
             out[name] = params[name].astype(dt)
     if params.get("lora", {}).get("layers") is not None:
-        out["lora"] = {**params["lora"], "layers": split(params["lora"]["layers"])}
+        out["lora"] = {**params["lora"], "layers": split_(params["lora"]["layers"])}
     return out
 
 
@@ -917,12 +973,30 @@ def lm_logits(cfg: ModelConfig, hidden, head, decode: bool = False):
     return softcap(logits, cfg.final_logit_softcapping)
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> tuple[dict[str, Any], ...]:
-    """An empty KV cache: one {"k", "v"} of [B, K, S, D] per layer (head-major, so decode
-    attention reads it without a transpose), in the compute dtype."""
+def init_cache(cfg: ModelConfig, batch: int, length: int):
+    """An empty KV cache in the compute dtype: one {"k", "v"} of [B, K, S, D] per layer
+    (head-major, so decode attention reads it without a transpose), or with
+    `scan_cached_layers` one {"k", "v"} of [layers, B, K, S, D]. Either way every entry is
+    [..., B, K, S, D]: `cache_rows` and the prefill work on the last four axes."""
     shape = (batch, cfg.num_kv_heads, length, cfg.head_size)
-    zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    zeros = lambda lead=(): jnp.zeros((*lead, *shape), jnp.dtype(cfg.dtype))
+    if cfg.scan_cached_layers:
+        return {"k": zeros((cfg.num_layers,)), "v": zeros((cfg.num_layers,))}
     return tuple({"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers))
+
+
+def cache_slots(cache) -> int:
+    """The slots S of a KV cache (`init_cache`'s, either form)."""
+    return (cache if isinstance(cache, dict) else cache[0])["k"].shape[-2]
+
+
+def cache_rows(cache, index):
+    """The cache's rows `index` ([S] int) in that order, without a shared prompt's entries (the
+    rows may leave their groups: compaction)."""
+    take = lambda c: c[(slice(None),) * (c.ndim - 4) + (index,)]  # rows: axis -4
+    layers = [cache] if isinstance(cache, dict) else cache
+    out = [{"k": take(layer["k"]), "v": take(layer["v"])} for layer in layers]
+    return out[0] if isinstance(cache, dict) else tuple(out)
 
 
 def with_shared_prompt(cache, prompt_cache):
@@ -930,11 +1004,12 @@ def with_shared_prompt(cache, prompt_cache):
     with each layer's prompt keys / values once per group of B / G consecutive rows
     (`prompt_cache`: per layer {"k", "v"} [G, K, P, D], the prefill's) as "prompt_k" /
     "prompt_v": decode attention (`_masked_attention` with a [B, S] mask) then reads the prompt
-    slots from there, once per group, and only the later slots from each row's cache."""
-    return tuple(
-        {**layer, "prompt_k": prompt["k"], "prompt_v": prompt["v"]}
-        for layer, prompt in zip(cache, prompt_cache)
-    )
+    slots from there, once per group, and only the later slots from each row's cache. (Stacked
+    caches, `scan_cached_layers`: the same entries with the layers first.)"""
+    shared = lambda layer, prompt: {**layer, "prompt_k": prompt["k"], "prompt_v": prompt["v"]}
+    if isinstance(cache, dict):
+        return shared(cache, prompt_cache)
+    return tuple(shared(layer, prompt) for layer, prompt in zip(cache, prompt_cache))
 
 
 def positions_from_mask(mask_BL):
@@ -1028,8 +1103,11 @@ def prefill(
         None if out.values is None else rows(out.values[:, -1:]),
         None,
     )
-    pad = ((0, 0), (0, 0), (0, new_slots), (0, 0))  # [B, K, S, D]: after the prompt's slots
-    cache = jax.tree.map(lambda c: jnp.pad(rows(c), pad), out.cache)
+    # [.., B, K, S, D]: each prompt's rows, with the response slots after the prompt's
+    grow = lambda c: jnp.pad(
+        jnp.repeat(c, samples, axis=-4), [(0, 0)] * (c.ndim - 2) + [(0, new_slots), (0, 0)]
+    )
+    cache = jax.tree.map(grow, out.cache)
     key_valid = jnp.pad(rows(valid), ((0, 0), (0, new_slots)), constant_values=True)
     first = rows(positions[:, -1] + 1)
     return Prefill(last, cache, key_valid, first, out.cache, out.routing)
