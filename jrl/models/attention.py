@@ -339,6 +339,15 @@ def _splash_kernel(num_heads, seq_len, window, softcap, block, interpret):
 # Decode attention: new queries over a KV cache, reading only the blocks of keys they can see.
 
 
+def _slots(x, start, size: int, layer=None):
+    """Slots start .. start + size - 1 of a cache [B, K, S, D], or of layer `layer`'s of a
+    stack [layers, B, K, S, D] (one slice, so no copy of the layer's cache)."""
+    if layer is None:
+        return lax.dynamic_slice_in_dim(x, start, size, axis=2)
+    _, b, k, _, d = x.shape
+    return lax.dynamic_slice(x, (layer, 0, 0, start, 0), (1, b, k, size, d))[0]
+
+
 def one_pass_slots(block_size: int) -> int:
     """The most slots `decode_attention` reads in one pass, without a loop: a quarter block."""
     return max(block_size // 4, 1)
@@ -358,6 +367,7 @@ def decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     block_size: int = 512,
+    layer=None,
 ):
     """Attention of L new queries per row over a head-major KV cache, reading only the key
     blocks some query sees. [B, L, K, G, D] in q's dtype.
@@ -384,9 +394,14 @@ def decode_attention(
     `prompt` = (k [P', K, P, D], v, key_valid [P', P]): the first P slots of every row's
     keys / values once per group of B / P' consecutive rows (a GRPO group's samples share
     their prompt): those slots are read from here, once per group, and the rows' own cache
-    only from slot P on. Every query must sit at slot P or later."""
+    only from slot P on. Every query must sit at slot P or later.
+
+    `layer` (an int, traced in a scan over layers): the keys / values (and `prompt`'s) are a
+    stack of every layer's, [layers, B, K, S, D], and layer `layer`'s are read, each block
+    sliced from the stack directly (`ModelConfig.scan_cached_layers`: a slice of the layer's
+    whole cache first would be a copy of it at every step)."""
     b, l, kh, g, d = q_BLKGD.shape
-    s = k_BKSD.shape[2]
+    s = k_BKSD.shape[-2]
     q = q_BLKGD.transpose(0, 2, 3, 1, 4)  # [B, K, G, L, D]
     dt = v_BKSD.dtype
     start = 0
@@ -400,7 +415,7 @@ def decode_attention(
     def segment(carry, q_KGLD, k, v, valid, q_slot, lo, hi):
         """The online softmax (`carry`) over slots [lo, hi) of keys / values k, v [R', K, S', D]
         for queries q_KGLD [R', K, G, L', D] at slots q_slot [R', L']."""
-        s_seg = k.shape[2]
+        s_seg = k.shape[-2]
         seg_big = min(big, s_seg)
         seg_small = max(min(small, seg_big), 1)
 
@@ -408,8 +423,7 @@ def decode_attention(
             def attend_block(j, carry):
                 first = first_of(j)
                 at = jnp.minimum(first, s_seg - blk)  # past S' - blk: read from S' - blk
-                k_blk = lax.dynamic_slice_in_dim(k, at, blk, axis=2)
-                v_blk = lax.dynamic_slice_in_dim(v, at, blk, axis=2)
+                k_blk, v_blk = _slots(k, at, blk, layer), _slots(v, at, blk, layer)
                 slot = at + lax.iota(jnp.int32, blk)  # [blk]
                 seen = lax.dynamic_slice_in_dim(valid, at, blk, axis=1)  # [R', blk]
                 q_at = q_slot[..., None]  # [R', L', 1]
@@ -469,7 +483,7 @@ def decode_attention(
     lo = 0
     if prompt is not None:  # the prompt's slots once per group, its n rows' queries together
         k_p, v_p, valid_p = prompt
-        groups, p = k_p.shape[0], k_p.shape[2]
+        groups, p = k_p.shape[-4], k_p.shape[-2]
         n = b // groups
 
         def by_group(x):  # [B, K, G, L, ...] -> [P', K, G, n * L, ...]: rows ride on L
@@ -496,7 +510,8 @@ def decode_attention(
     lo = max(start, lo) if isinstance(start, int) else jnp.maximum(start, lo)
     lo_read = lo if isinstance(lo, int) else 0
     if prompt is None and s - lo_read <= one_pass:  # a short cache: one materialised pass
-        k, v, valid = k_BKSD[:, :, lo_read:], v_BKSD[:, :, lo_read:], key_valid_BS[:, lo_read:]
+        k, v = (_slots(x, lo_read, s - lo_read, layer) for x in (k_BKSD, v_BKSD))
+        valid = key_valid_BS[:, lo_read:]
         slot = lo_read + jnp.arange(s - lo_read)
         q_at = q_slot_BL[..., None]  # [B, L, 1]
         visible = valid[:, None, :] & (slot <= q_at)  # [B, L, S - lo_read]; slots < lo: masked

@@ -508,9 +508,8 @@ class Attention(nn.Module):
         if cache is not None:  # head-major [B, K, S, D]: written at slot cache_index
             write = lambda c, x: write_cache(c, x, cache_index, layer)
             new_cache = {**cache, "k": write(cache["k"], kk), "v": write(cache["v"], v)}
-            # a shared prompt's entries pass through; the layer's entries are read
-            cache = new_cache if layer is None else {n: c[layer] for n, c in new_cache.items()}
-            kk, v = cache["k"], cache["v"]
+            cache = new_cache  # a shared prompt's entries pass through
+            kk, v = cache["k"], cache["v"]  # with `layer`: the stacks, that layer's read
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
             attend = lambda window: attention_lib.causal_attention(
@@ -527,7 +526,7 @@ class Attention(nn.Module):
             shared = None if cache is None or "prompt_k" not in cache else cache
             shared = shared and (shared["prompt_k"], shared["prompt_v"])
             attend = lambda window: _masked_attention(
-                q, kk, v, mask_BLS, cache_index, window, scale, cfg, shared
+                q, kk, v, mask_BLS, cache_index, window, scale, cfg, shared, layer
             )
         out = _by_kind(cfg, sliding, attend)
         wo = _param(self, "o_proj", (n, d, h), ("heads", "head_dim", "embed"), cfg)
@@ -536,7 +535,7 @@ class Attention(nn.Module):
 
 
 def _masked_attention(
-    q, k_BKSD, v_BKSD, mask, cache_index, window, scale, cfg: ModelConfig, prompt=None
+    q, k_BKSD, v_BKSD, mask, cache_index, window, scale, cfg: ModelConfig, prompt=None, layer=None
 ):
     """Attention over the head-major KV cache [B, K, S, D] (rollout: prefill and decode).
 
@@ -548,19 +547,25 @@ def _masked_attention(
     last query's slot only. A row whose index is at or past S (a dropped write, see
     `write_cache_rows`) does not extend the blocks read; its outputs are garbage. `prompt`
     (with a [B, S] mask): the cache's `prompt_k` / `prompt_v` [G, K, P, D], the first P slots
-    once per group of B / G consecutive rows (`with_shared_prompt`), read once per group."""
+    once per group of B / G consecutive rows (`with_shared_prompt`), read once per group.
+    `layer`: the cache (and `prompt`) stacks every layer's [layers, ...] and this layer's is
+    read: the decode attention slices its blocks from the stack (`decode_attention`'s `layer`);
+    the materialised paths take the layer's whole cache."""
     b, l, n, d = q.shape
-    k = k_BKSD.shape[1]
+    k = k_BKSD.shape[-3]
     q = q.reshape(b, l, k, n // k, d)  # query heads grouped by the kv head they share
     softcap = cfg.attn_logit_softcapping
-    s = k_BKSD.shape[2]
+    s = k_BKSD.shape[-2]
+    if layer is not None and (mask.ndim == 3 or cfg.decode_attention == "xla"):
+        prompt = None if prompt is None else tuple(x[layer] for x in prompt)
+        k_BKSD, v_BKSD, layer = k_BKSD[layer], v_BKSD[layer], None
     if mask.ndim == 2 and cfg.decode_attention == "xla":  # the whole cache, materialised
         q_slot = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(l)  # [B or 1, L]
         mask = mask[:, None, :] & (jnp.arange(s) <= q_slot[..., None])
     if mask.ndim == 2:
         shared = None
         if prompt is not None:  # with each group's first row's prompt slots
-            groups, p = prompt[0].shape[0], prompt[0].shape[2]
+            groups, p = prompt[0].shape[-4], prompt[0].shape[-2]
             shared = (*prompt, mask[:: b // groups, :p])
         if jnp.ndim(cache_index) == 1:  # a start slot per row
             live = cache_index < s
@@ -584,6 +589,7 @@ def _masked_attention(
             softcap=softcap,
             window=window,
             block_size=cfg.attention_block_size,
+            layer=layer,
         )
         return out.reshape(b, l, n, d)
     if isinstance(cache_index, int) and cache_index == 0:  # a prefill: only the slots it fills

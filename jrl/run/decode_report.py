@@ -15,7 +15,9 @@ reads XLA's cost analysis of it:
     every block read at that fill is in the program, counted once. (The materialised
     reference, `decode_attention="xla"`, reads every slot of the cache at any fill, as in the
     loop.) The step is the first stage's: all B rows, each prompt's keys / values read once for
-    its group (`rollout.start`).
+    its group (`rollout.start`). It runs the layers one by one: with `model.scan_cached_layers`
+    (the layers as a scan over a stacked cache) the analysis would count one layer's body, so
+    the report compiles the layer-by-layer step, which computes the same (`layers` says so).
   * `in_loop` (backends whose client can analyse a module: CPU): the body of the first decode
     loop as XLA compiled it inside the whole rollout (`rollout.generate` compiled, the loop's
     body taken out of its HLO and analysed alone), each attention loop inside it counted as
@@ -95,7 +97,10 @@ class Shape:
         if decode_attention is not None:
             attention.DECODE_IMPLEMENTATIONS.get(decode_attention)
             model_cfg = dataclasses.replace(model_cfg, decode_attention=decode_attention)
-        self.model_cfg = model_cfg
+        # layer by layer: the analysis counts a scan's body once (see the module doc); the
+        # rollout timed on an accelerator is the config's own (`run_cfg`)
+        self.run_cfg, self.scanned = model_cfg, model_cfg.scan_cached_layers
+        self.model_cfg = dataclasses.replace(model_cfg, scan_cached_layers=False)
         ids = trainer.sampling_ids(built.tokenizer, task, cfg)
         self.groups = step_lib.prompts_per_step(cfg)
         self.n = cfg.rollout.n
@@ -299,7 +304,7 @@ def time_rollout(shape: Shape, rounds: int = 3) -> dict:
     """Seconds of the real rollout on the local device (random weights in the compute dtype,
     every response forced to R tokens, so the fills are those of the report's mean), median of
     `rounds` after a first, compiling call."""
-    cfg = shape.model_cfg
+    cfg = shape.run_cfg
     opts = shape.opts
     params = jax.jit(lambda k: transformer.init_params(cfg, k))(_key())
     rng = np.random.default_rng(0)
@@ -381,6 +386,8 @@ def decode_report(
         "fill": fill,
         "dtype": shape.model_cfg.dtype,
         "decode_attention": shape.model_cfg.decode_attention,
+        "layers": "layer by layer"
+        + (" (the rollout's scan over layers unrolled for the report)" if shape.scanned else ""),
         "sampler": "greedy (argmax)" if greedy else "the config's (rollout.sample_token)",
         "device": device or _device_kind(args),
         "compile_s": round(compile_s, 1),

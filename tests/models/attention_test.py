@@ -337,6 +337,30 @@ def test_decode_attention_reads_a_shared_prompt_once_per_group(window, softcap, 
     got = traced(q, nan_prompt(k_full), nan_prompt(v_full), jnp.int32(end), jnp.int32(first))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
+    # The same as layer 1 of a stack of 3 layers' caches (`layer`, the scan over layers of
+    # `model.scan_cached_layers`), the other layers NaN: only layer 1's blocks are read.
+    stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
+
+    @jax.jit
+    def stacked(q, k, v, end, first, layer):
+        prompt = (stack(k_p), stack(v_p), jnp.asarray(valid_p))
+        return attention.decode_attention(
+            q,
+            k,
+            v,
+            jnp.asarray(valid),
+            starts[:, None],
+            end,
+            first_slot=first,
+            prompt=prompt,
+            layer=layer,
+            **kw,
+        )
+
+    k_stack, v_stack = (stack(nan_prompt(x)) for x in (k_full, v_full))
+    got = stacked(q, k_stack, v_stack, jnp.int32(end), jnp.int32(first), jnp.int32(1))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.parametrize("block", [8, 128], ids=["blocks", "one_pass"])
 def test_decode_attention_gives_zero_to_a_query_that_sees_no_key(block):

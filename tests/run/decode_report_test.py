@@ -56,3 +56,16 @@ def test_report_of_the_tiny_step(greedy, block):
     assert out["ops"]["instructions"] >= out["ops"]["fusions"] > 0
     assert out["in_loop"]["bytes"] > 0 and (out["in_loop"]["ops"]["loops"] > 0) == (block == 2)
     assert set(out["roofline_tokens_per_s"]) == set(decode_report.CHIPS)
+
+
+def test_a_scanned_model_is_reported_layer_by_layer():
+    """With model.scan_cached_layers XLA's analysis would count one layer's body of the scan:
+    the report compiles the layer-by-layer step instead (the same function), so its bytes are
+    those of the plain config's, and it says so."""
+    plain = decode_report.decode_report(tiny_config(), greedy=True, timing=False)
+    cfg = tiny_config(**{"model.scan_cached_layers": True})
+    scanned = decode_report.decode_report(cfg, greedy=True, timing=False)
+    assert scanned["bytes"] == plain["bytes"] and scanned["ops"] == plain["ops"]
+    assert plain["layers"] == "layer by layer"
+    assert scanned["layers"].startswith("layer by layer (the rollout's scan")
+    assert decode_report.Shape(cfg).run_cfg.scan_cached_layers  # a timed rollout: the config's
