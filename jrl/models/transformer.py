@@ -508,8 +508,7 @@ class Attention(nn.Module):
         if cache is not None:  # head-major [B, K, S, D]: written at slot cache_index
             write = lambda c, x: write_cache(c, x, cache_index, layer)
             new_cache = {**cache, "k": write(cache["k"], kk), "v": write(cache["v"], v)}
-            cache = new_cache  # a shared prompt's entries pass through
-            kk, v = cache["k"], cache["v"]  # with `layer`: the stacks, that layer's read
+            kk, v = new_cache["k"], new_cache["v"]  # with `layer`: the stacks, that layer's read
         scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         if mask_BLS is None:  # full forward over right-padded rows: causal (+ window) alone
             attend = lambda window: attention_lib.causal_attention(
@@ -864,8 +863,6 @@ class Transformer(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             (x, cache), (_, routed) = layers(cfg, self.decode, name="layers")((x, cache), *args)
-            if not cfg.num_experts:
-                routed = None
         else:  # layer by layer: rollout (each layer with its own KV cache), or no remat
             layers = self.variables["params"]["layers"]
             adapters = self.variables.get("lora", {}).get("layers")
@@ -941,20 +938,19 @@ def unstack_layers(cfg: ModelConfig, params, cast: bool = True, split: bool = Tr
     `split` (the rollout's layers run as a scan, `cfg.scan_cached_layers`) the stack stays
     whole, its matrices cast."""
     dt = jnp.dtype(cfg.dtype)
-    layer = lambda a, i: a[i].astype(dt) if cast and a.ndim > 2 else a[i]
-    split_ = lambda stacked: [
-        jax.tree.map(lambda a, i=i: layer(a, i), stacked) for i in range(cfg.num_layers)
-    ]
-    if not split:  # [layers, ...]: matrices are 3-D and up
-        split_ = lambda stacked: jax.tree.map(
-            lambda a: a.astype(dt) if cast and a.ndim > 2 else a, stacked
-        )
-    out = {**params, "layers": split_(params["layers"])}
+    to_dt = lambda a, x: x.astype(dt) if cast and a.ndim > 2 else x  # stacked matrices: 3-D up
+    if split:
+        layers = lambda stacked: [
+            jax.tree.map(lambda a, i=i: to_dt(a, a[i]), stacked) for i in range(cfg.num_layers)
+        ]
+    else:
+        layers = lambda stacked: jax.tree.map(lambda a: to_dt(a, a), stacked)
+    out = {**params, "layers": layers(params["layers"])}
     for name in ("embed", "lm_head") if cast else ():  # the head is read at every token
         if name in params:
             out[name] = params[name].astype(dt)
     if params.get("lora", {}).get("layers") is not None:
-        out["lora"] = {**params["lora"], "layers": split_(params["lora"]["layers"])}
+        out["lora"] = {**params["lora"], "layers": layers(params["lora"]["layers"])}
     return out
 
 

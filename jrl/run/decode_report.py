@@ -99,7 +99,7 @@ class Shape:
             model_cfg = dataclasses.replace(model_cfg, decode_attention=decode_attention)
         # layer by layer: the analysis counts a scan's body once (see the module doc); the
         # rollout timed on an accelerator is the config's own (`run_cfg`)
-        self.run_cfg, self.scanned = model_cfg, model_cfg.scan_cached_layers
+        self.run_cfg = model_cfg
         self.model_cfg = dataclasses.replace(model_cfg, scan_cached_layers=False)
         ids = trainer.sampling_ids(built.tokenizer, task, cfg)
         self.groups = step_lib.prompts_per_step(cfg)
@@ -387,7 +387,11 @@ def decode_report(
         "dtype": shape.model_cfg.dtype,
         "decode_attention": shape.model_cfg.decode_attention,
         "layers": "layer by layer"
-        + (" (the rollout's scan over layers unrolled for the report)" if shape.scanned else ""),
+        + (
+            " (the rollout's scan over layers unrolled for the report)"
+            if shape.run_cfg.scan_cached_layers
+            else ""
+        ),
         "sampler": "greedy (argmax)" if greedy else "the config's (rollout.sample_token)",
         "device": device or _device_kind(args),
         "compile_s": round(compile_s, 1),
